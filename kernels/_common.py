@@ -1,0 +1,24 @@
+"""Small helpers shared by the Triton kernel launchers."""
+
+import math
+import os
+
+import torch
+
+# Triton's interpreter computes bf16/fp16 ``tl.dot`` wrongly, so kernels upcast dot operands to fp32 there.
+# Read once at import: the interpreter itself is chosen when triton is imported, so it cannot change later.
+INTERPRET: bool = os.environ.get("TRITON_INTERPRET") == "1"
+
+LOG2E: float = math.log2(math.e)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs would silently use TF32 tensor cores on CUDA; ask for IEEE so fp32 means fp32."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def require_last_dim_contiguous(*tensors: torch.Tensor) -> None:
+    """Kernels address the head dimension with unit stride; every other stride is passed explicitly."""
+    for t in tensors:
+        if t.stride(-1) != 1:
+            raise ValueError(f"last dimension must be contiguous, got strides {tuple(t.stride())}")

@@ -1,0 +1,264 @@
+"""Paged decode attention with split-K ("flash decoding").
+
+Decode is bound by reading K/V, so the kernel is shaped around reading each cached K/V row exactly once:
+
+* one program per (sequence, kv head, split) serves all query heads of that kv head (GQA grouping), the
+  group padded to 16 rows so that both products run on tensor cores;
+* each iteration gathers ``BLOCK_N`` tokens through the block table (several pages when pages are small);
+* a long context is cut into ``num_splits`` parts so that a few long sequences still occupy every SM; each
+  part writes its running max, softmax denominator and unnormalised accumulator, and a second small kernel
+  merges the parts.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import INTERPRET, LOG2E, dot_precision, require_last_dim_contiguous
+
+BLOCK_N = 64  # tokens gathered per iteration
+MIN_GROUP_ROWS = 16  # tl.dot needs at least 16 rows
+MIN_TOKENS_PER_SPLIT = 128  # below this a split costs more in merging than it wins in parallelism
+MAX_SPLITS = 64
+DEFAULT_NUM_SMS = 132  # H100/H200, used when no CUDA device can be asked
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    part_acc_ptr,
+    scale_log2e,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    NUM_HEADS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + seq)
+    # Whole BLOCK_N chunks per split, so only a split's last chunk is ragged.
+    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, seq_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    heads = kv_head * GROUP + offs_h
+    h_mask = offs_h < GROUP
+    d_mask = offs_d < HEAD_DIM
+
+    q = tl.load(
+        q_ptr + seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=h_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+
+    # Every iteration holds at least one valid token, so m_i is finite after the first one (no inf - inf).
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + offs_n
+        n_mask = pos < end
+        page = tl.load(table + pos // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+        in_page = pos % PAGE_SIZE
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k_rows = page * stride_kb + in_page * stride_ks + kv_head * stride_kh
+        v_rows = page * stride_vb + in_page * stride_vs + kv_head * stride_vh
+
+        k = tl.load(k_cache_ptr + k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+
+        v = tl.load(v_cache_ptr + v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # Partial buffers are [batch, num_heads, NUM_SPLITS] (+ [HEAD_DIM] for acc), contiguous.
+    # An empty split (start >= end) stores max=-inf, sum=0, acc=0, which the merge weighs as zero.
+    row = (seq.to(tl.int64) * NUM_HEADS + heads) * NUM_SPLITS + split
+    tl.store(part_max_ptr + row, m_i, mask=h_mask)
+    tl.store(part_sum_ptr + row, l_i, mask=h_mask)
+    tl.store(
+        part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
+        acc,
+        mask=h_mask[:, None] & d_mask[None, :],
+    )
+
+
+@triton.jit
+def _decode_merge_kernel(
+    part_max_ptr,
+    part_sum_ptr,
+    part_acc_ptr,
+    out_ptr,
+    stride_ob,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < NUM_SPLITS
+    d_mask = offs_d < HEAD_DIM
+
+    row = (seq * NUM_HEADS + head) * NUM_SPLITS + offs_s
+    m = tl.load(part_max_ptr + row, mask=s_mask, other=float("-inf"))
+    l = tl.load(part_sum_ptr + row, mask=s_mask, other=0.0)
+    acc = tl.load(
+        part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    # Split 0 is never empty (seq_len >= 1), so the global max is finite.
+    m_all = tl.max(m, 0)
+    w = tl.exp2(m - m_all)
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
+    tl.store(
+        out_ptr + seq * stride_ob + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask
+    )
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return DEFAULT_NUM_SMS
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
+    """Enough splits for about two programs per SM, but no split shorter than ``MIN_TOKENS_PER_SPLIT``.
+
+    ``max_context`` comes from the block table's width, a host-side shape, so choosing needs no device sync
+    (and stays fixed under CUDA graph capture).
+    """
+    wanted = triton.cdiv(2 * num_sms, max(1, batch * num_kv_heads))
+    by_length = triton.cdiv(max_context, MIN_TOKENS_PER_SPLIT)
+    return max(1, min(wanted, by_length, MAX_SPLITS))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of one query token per sequence over its paged K/V; returns ``[batch, num_heads, head_dim]``.
+
+    ``seq_lens[b]`` counts cached tokens including the current one. ``out`` (optional) receives the result.
+    """
+    batch, num_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_cache.shape
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    require_last_dim_contiguous(q, k_cache, v_cache)
+    block_tables = block_tables.contiguous()
+    if out is None:
+        out = torch.empty_like(q)
+    if batch == 0:
+        return out
+    require_last_dim_contiguous(out)
+    if num_splits is None:
+        num_splits = choose_num_splits(
+            batch, num_kv_heads, block_tables.shape[1] * page_size, _num_sms(q.device)
+        )
+    group = num_heads // num_kv_heads
+
+    part_max = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    part_sum = torch.empty_like(part_max)
+    part_acc = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+    block_d = triton.next_power_of_2(head_dim)
+
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        part_max,
+        part_sum,
+        part_acc,
+        scale * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        NUM_HEADS=num_heads,
+        NUM_SPLITS=num_splits,
+        GROUP=group,
+        BLOCK_H=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)),
+        BLOCK_N=BLOCK_N,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        PAGE_SIZE=page_size,
+        UPCAST=INTERPRET,
+        DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=4,
+        num_stages=2,
+    )
+    _decode_merge_kernel[(batch, num_heads)](
+        part_max,
+        part_sum,
+        part_acc,
+        out,
+        out.stride(0),
+        out.stride(1),
+        NUM_HEADS=num_heads,
+        NUM_SPLITS=num_splits,
+        BLOCK_S=triton.next_power_of_2(num_splits),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        num_warps=1 if head_dim <= 64 else 2,
+    )
+    return out

@@ -1,0 +1,86 @@
+"""Plain PyTorch references for the kernels: per-sequence loops in fp32, written to be obviously correct.
+
+The kernel tests compare against these; they also document the exact semantics of each kernel.
+"""
+
+import torch
+
+
+def _gather(cache: torch.Tensor, block_table_row: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` tokens of one sequence as ``[length, num_kv_heads, head_dim]`` fp32."""
+    block_size = cache.shape[1]
+    num_blocks = -(-length // block_size)
+    pages = block_table_row[:num_blocks].long()
+    return cache[pages].flatten(0, 1)[:length].float()
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_pos: torch.Tensor
+) -> torch.Tensor:
+    """Softmax attention of ``q [n, H, D]`` (at positions ``q_pos``) over ``k, v [L, Hkv, D]``, causal."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)  # query head h reads kv head h // group
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    visible = torch.arange(k.shape[0], device=q.device)[None, :] <= q_pos[:, None]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
+
+
+def store_kvcache_ref(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Reference for :func:`kernels.store_kvcache`."""
+    block_size = k_cache.shape[1]
+    for token, slot in enumerate(slot_mapping.tolist()):
+        if slot < 0:
+            continue
+        k_cache[slot // block_size, slot % block_size] = key[token]
+        v_cache[slot // block_size, slot % block_size] = value[token]
+
+
+def paged_decode_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Reference for :func:`kernels.paged_decode_attention`; ``num_splits`` is accepted and ignored."""
+    out = torch.empty_like(q)
+    for b, length in enumerate(seq_lens.tolist()):
+        k = _gather(k_cache, block_tables[b], length)
+        v = _gather(v_cache, block_tables[b], length)
+        q_pos = torch.tensor([length - 1], device=q.device)
+        out[b] = _attend(q[b : b + 1], k, v, scale, q_pos)[0].to(q.dtype)
+    return out
+
+
+def paged_extend_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+) -> torch.Tensor:
+    """Reference for :func:`kernels.paged_extend_attention`; ``max_query_len`` is accepted and ignored."""
+    out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    for b, length in enumerate(seq_lens.tolist()):
+        lo, hi = starts[b], starts[b + 1]
+        if hi == lo:
+            continue
+        k = _gather(k_cache, block_tables[b], length)
+        v = _gather(v_cache, block_tables[b], length)
+        q_pos = torch.arange(length - (hi - lo), length, device=q.device)
+        out[lo:hi] = _attend(q[lo:hi], k, v, scale, q_pos).to(q.dtype)
+    return out
