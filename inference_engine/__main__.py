@@ -1,0 +1,123 @@
+"""Command line: `python -m inference_engine serve|supervise|redis ...`.
+
+    serve      one engine process serving one model on the Redis bus (flags mirror vLLM's)
+    supervise  hot-loads / unloads models (one `serve` child per model) on control messages
+    redis      start the project's own redis-server and print its URL (for a zero-setup demo)
+
+Without --redis-url (or $LLMSERVE_REDIS_URL), `serve` and `supervise` start a private redis-server and print
+its URL, so the README commands need nothing installed by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from typing import Any
+
+from inference_engine.bus import protocol as P
+from inference_engine.bus.redis_server import ensure_redis_url
+
+ENGINE_FLAGS: list[tuple[str, type]] = [
+    ("--max-num-seqs", int), ("--max-model-len", int), ("--block-size", int),
+    ("--gpu-memory-utilization", float), ("--dtype", str), ("--max-num-batched-tokens", int),
+    ("--swap-space", float), ("--device", str), ("--kv-cache-memory-bytes", int), ("--seed", int),
+    ("--max-pending-requests", int), ("--attention-backend", str),
+]
+
+
+def _add_bus_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--redis-url", help="default: $LLMSERVE_REDIS_URL, else a private redis-server")
+    parser.add_argument("--prefix", default=P.DEFAULT_PREFIX, help="namespace of the bus's Redis keys")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--heartbeat-interval", type=float, default=1.0)
+    parser.add_argument("--heartbeat-ttl", type=float, default=5.0)
+    parser.add_argument("--log-level", default="INFO")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m inference_engine")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="serve one model on the Redis bus")
+    serve.add_argument("--model", help="GGUF file or model folder (default: the bundled SmolLM2-135M)")
+    serve.add_argument("--served-model-name", help="name clients use (default: the engine's model name)")
+    for flag, kind in ENGINE_FLAGS:
+        serve.add_argument(flag, type=kind)
+    serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    serve.add_argument("--max-inflight", type=int, help="requests taken at once (default: --max-num-seqs)")
+    serve.add_argument("--shutdown-grace", type=float, default=10.0)
+    _add_bus_flags(serve)
+
+    supervise = commands.add_parser("supervise", help="load / unload models on control messages")
+    supervise.add_argument("--name", default="default", help="supervisor name (its control stream)")
+    supervise.add_argument("--model", help="a model to load at start (with --served-model-name)")
+    supervise.add_argument("--served-model-name")
+    _add_bus_flags(supervise)
+
+    commands.add_parser("redis", help="run a private redis-server until interrupted")
+    return parser
+
+
+def _run_until_signal(stop: Any, run: Any) -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop())
+    run()
+
+
+def serve(args: argparse.Namespace) -> None:
+    import torch
+
+    from inference_engine.bus.server import EngineServer, ServeSettings
+    from inference_engine.config import EngineConfig
+    from inference_engine.llm_engine import LLMEngine
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    url, _server = ensure_redis_url(args.redis_url)
+    names = [flag[2:].replace("-", "_") for flag, _ in ENGINE_FLAGS] + ["enable_prefix_caching"]
+    options = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+    engine = LLMEngine(EngineConfig(model=args.model, served_model_name=args.served_model_name, **options))
+    settings = ServeSettings(prefix=args.prefix, heartbeat_interval=args.heartbeat_interval,
+                             heartbeat_ttl=args.heartbeat_ttl, max_inflight=args.max_inflight,
+                             shutdown_grace=args.shutdown_grace)
+    server = EngineServer(engine, url, args.served_model_name, settings)
+    print(f"serving {server.model!r} as replica {server.replica_id} on {url}", file=sys.stderr, flush=True)
+    _run_until_signal(server.stop, server.run)
+
+
+def supervise(args: argparse.Namespace) -> None:
+    from inference_engine.bus.supervisor import Supervisor
+
+    url, _server = ensure_redis_url(args.redis_url)
+    extra = ["--heartbeat-interval", str(args.heartbeat_interval), "--heartbeat-ttl", str(args.heartbeat_ttl)]
+    if args.threads:
+        extra += ["--threads", str(args.threads)]
+    supervisor = Supervisor(url, args.name, args.prefix, extra, args.heartbeat_interval)
+    if args.model or args.served_model_name:
+        supervisor.load(args.served_model_name or "default", args.model, {})
+    print(f"supervisor {args.name!r} on {url}", file=sys.stderr, flush=True)
+    _run_until_signal(supervisor.stop, supervisor.run)
+
+
+def redis_only() -> None:
+    url, _server = ensure_redis_url(None)
+    print(url, flush=True)
+    done = threading.Event()
+    _run_until_signal(done.set, lambda: done.wait())
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if args.command == "redis":
+        redis_only()
+        return
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    {"serve": serve, "supervise": supervise}[args.command](args)
+
+
+if __name__ == "__main__":
+    main()

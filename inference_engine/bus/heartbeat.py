@@ -1,0 +1,62 @@
+"""A replica's heartbeat, published from a thread so that a long scheduler step never looks like death."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from typing import Any
+
+import redis
+
+from inference_engine.bus.protocol import Keys
+
+log = logging.getLogger(__name__)
+
+
+class Heartbeat:
+    """Publishes `payload` every `interval` seconds under a key that expires after `ttl` seconds.
+
+    The key's existence is the replica's liveness: other replicas claim the pending requests of a consumer
+    whose key is gone, and clients stop waiting for a model none of whose keys exist.
+    """
+
+    def __init__(self, redis_url: str, keys: Keys, replica_id: str, model: str, interval: float,
+                 ttl: float) -> None:
+        self.redis = redis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=2)
+        self.keys, self.replica_id, self.model = keys, replica_id, model
+        self.interval, self.ttl = interval, ttl
+        self.payload: dict[str, Any] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="llmserve-heartbeat", daemon=True)
+
+    def beat(self) -> None:
+        with self.redis.pipeline(transaction=False) as pipe:
+            pipe.set(self.keys.replica(self.replica_id), json.dumps(self.payload), px=int(self.ttl * 1000))
+            pipe.sadd(self.keys.replicas(self.model), self.replica_id)
+            pipe.sadd(self.keys.models, self.model)
+            pipe.execute()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.beat()
+            except redis.RedisError as exc:  # Redis is down: the main loop reconnects; keep trying
+                log.debug("heartbeat failed: %s", exc)
+
+    def stop(self) -> None:
+        """Stop beating and withdraw the replica at once (clients see it gone without waiting a TTL)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(self.interval + 1)
+        try:
+            with self.redis.pipeline(transaction=False) as pipe:
+                pipe.delete(self.keys.replica(self.replica_id))
+                pipe.srem(self.keys.replicas(self.model), self.replica_id)
+                pipe.execute()
+        except redis.RedisError:
+            pass
+        self.redis.close()

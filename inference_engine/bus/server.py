@@ -1,0 +1,358 @@
+"""The engine side of the bus: one loop that feeds an `LLMEngine` from Redis and streams its outputs back.
+
+Each iteration: read aborts and new requests (non-blocking while there is work, blocking briefly when idle),
+admit them (a new request joins the running batch at the next step), run one engine step, and write every
+output entry of that step in one pipeline. Requests are read only up to `max_inflight`, so a backlog stays in
+the shared stream where any replica of the model can take it. See `protocol` for the wire format.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from inference_engine.bus import protocol as P
+from inference_engine.bus.deltas import DeltaTracker
+from inference_engine.bus.heartbeat import Heartbeat
+from inference_engine.errors import EngineUnavailableError, InvalidRequestError
+from inference_engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServeSettings:
+    prefix: str = P.DEFAULT_PREFIX
+    heartbeat_interval: float = 1.0
+    heartbeat_ttl: float = 5.0  # a replica silent this long is dead: its requests are claimed
+    claim_min_idle: float = 1.0  # XCLAIM guard: two survivors never both take one entry
+    idle_block: float = 0.1  # seconds to block on Redis when there is no work
+    max_inflight: int | None = None  # requests taken from the stream at once; None = engine's max_num_seqs
+    output_ttl: int = 600  # seconds an output stream outlives its last write
+    shutdown_grace: float = 10.0  # seconds to finish running requests on stop()
+
+
+@dataclass
+class _Live:
+    stream: str
+    entry_id: str
+    tracker: DeltaTracker
+    n: int
+
+
+class EngineServer:
+    """Serves one engine (one model) on the bus until `stop()`."""
+
+    def __init__(self, engine: Any, redis_url: str, model_name: str | None = None,
+                 settings: ServeSettings | None = None) -> None:
+        self.engine = engine
+        self.settings = settings or ServeSettings()
+        self.model = model_name or engine.model_name
+        self.keys = P.Keys(self.settings.prefix)
+        self.replica_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.redis = redis.Redis.from_url(redis_url, decode_responses=True, socket_timeout=10,
+                                          socket_connect_timeout=5)
+        self.heartbeat = Heartbeat(redis_url, self.keys, self.replica_id, self.model,
+                                   self.settings.heartbeat_interval, self.settings.heartbeat_ttl)
+        self.max_inflight = self.settings.max_inflight or engine.config.max_num_seqs
+        self.req_stream, self.util_stream = self.keys.requests(self.model), self.keys.utility(self.model)
+        self._live: dict[str, _Live] = {}
+        self._writes: list[tuple[str, dict[str, Any]]] = []
+        self._done: list[tuple[str, str]] = []  # (stream, entry id) to XACK + XDEL after the writes
+        self._abort_cursor = "0-0"
+        self._stopping = threading.Event()
+        self._accepting = True
+        self._next_maintenance = 0.0
+        self._last_tokens = (time.monotonic(), 0)
+        self._started_at = time.time()
+
+    # ----------------------------------------------------------------------------------------- lifecycle
+
+    def stop(self) -> None:
+        """Ask the loop to finish (safe from signal handlers and other threads)."""
+        self._stopping.set()
+
+    def run(self) -> None:
+        self._connect()
+        self.heartbeat.start()
+        try:
+            while not self._stopping.is_set():
+                self._guarded(self._iterate)
+            self._drain()
+        finally:
+            self.heartbeat.stop()
+            self.redis.close()
+
+    def _guarded(self, fn: Any) -> None:
+        try:
+            fn()
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            self._redis_lost(exc)
+
+    def _connect(self) -> None:
+        for stream in (self.req_stream, self.util_stream):
+            try:
+                self.redis.xgroup_create(stream, P.GROUP, id="0", mkstream=True)
+            except redis.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+        last = self.redis.xrevrange(self.keys.aborts(self.model), count=1)
+        self._abort_cursor = last[0][0] if last else "0-0"
+        self._update_stats()
+        self.heartbeat.beat()  # before the first read, so no survivor mistakes us for dead
+        self._recover(self.replica_id)  # our own entries, if Redis kept them across a lost connection
+        self._flush()
+        log.info("replica %s serving %r on the bus", self.replica_id, self.model)
+
+    def _redis_lost(self, exc: Exception) -> None:
+        """In-flight requests cannot be delivered any more (their clients got errors too): drop them, then
+        reconnect with backoff and carry on."""
+        log.warning("lost Redis (%s); aborting %d in-flight request(s), reconnecting", exc, len(self._live))
+        if self._live:
+            self.engine.abort_request(list(self._live))
+        self._live.clear()
+        self._writes.clear()
+        self._done.clear()
+        delay = 0.1
+        while not self._stopping.is_set():
+            try:
+                self._connect()
+                return
+            except (redis.ConnectionError, redis.TimeoutError):
+                self._stopping.wait(delay)
+                delay = min(delay * 2, 2.0)
+
+    def _drain(self) -> None:
+        """Stop taking requests, finish the running ones within the grace period, fail the rest clearly."""
+        self._accepting = False
+        deadline = time.monotonic() + self.settings.shutdown_grace
+        while self._live and time.monotonic() < deadline:
+            self._guarded(self._iterate)
+        if self._live:
+            self.engine.abort_request(list(self._live))
+            for rid in list(self._live):
+                self._fail(rid, EngineUnavailableError("the engine replica shut down before finishing."))
+        self._guarded(self._flush)
+
+    # -------------------------------------------------------------------------------------------- loop
+
+    def _iterate(self) -> None:
+        busy = bool(self._live) or self.engine.has_unfinished_requests()
+        aborts, entries = self._poll(block=not busy)
+        for rid in aborts:
+            self._abort(rid)
+        self._admit(entries)
+        if self.engine.has_unfinished_requests():
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # the engine is broken: fail everyone clearly, then die loudly
+                for rid in list(self._live):
+                    self._fail(rid, exc)
+                self._flush()
+                raise
+            self._publish(outputs)
+        self._flush()
+        if time.monotonic() >= self._next_maintenance:
+            self._next_maintenance = time.monotonic() + self.settings.heartbeat_interval
+            self._update_stats()
+            for consumer in self._dead_consumers():
+                self._recover(consumer)
+            self._flush()
+
+    def _poll(self, block: bool) -> tuple[list[str], list[tuple[str, str, dict]]]:
+        capacity = self.max_inflight - len(self._live) if self._accepting else 0
+        streams = {self.util_stream: ">"}
+        if capacity > 0:
+            streams[self.req_stream] = ">"
+        with self.redis.pipeline(transaction=False) as pipe:
+            pipe.xread({self.keys.aborts(self.model): self._abort_cursor}, count=1000)
+            pipe.xreadgroup(P.GROUP, self.replica_id, streams, count=max(capacity, 16),
+                            block=int(self.settings.idle_block * 1000) if block else None)
+            try:
+                abort_reply, reply = pipe.execute()
+            except redis.ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                self._connect()  # Redis lost its data (restart without persistence): recreate our groups
+                return [], []
+        aborts = []
+        for entry_id, fields in abort_reply[0][1] if abort_reply else ():
+            self._abort_cursor = entry_id
+            aborts.append(fields["id"])
+        entries = [(stream, entry_id, fields) for stream, items in reply or () for entry_id, fields in items]
+        return aborts, entries
+
+    def _admit(self, entries: list[tuple[str, str, dict]]) -> None:
+        if not entries:
+            return
+        messages = [P.decode(fields) for _, _, fields in entries]
+        with self.redis.pipeline(transaction=False) as pipe:
+            for message in messages:
+                pipe.exists(self.keys.abort(message["id"]))
+            aborted = pipe.execute()
+        for (stream, entry_id, _), message, was_aborted in zip(entries, messages, aborted, strict=True):
+            if was_aborted:
+                self._done.append((stream, entry_id))
+            elif stream == self.util_stream:
+                self._answer_utility(entry_id, message)
+            else:
+                self._start(stream, entry_id, message)
+
+    def _start(self, stream: str, entry_id: str, message: dict[str, Any]) -> None:
+        rid = message["id"]
+        try:
+            params = SamplingParams.from_dict(message["params"])
+            prompt_ids = self.engine.add_request(rid, self._prompt(message), params,
+                                                 priority=int(message.get("priority", 0)),
+                                                 arrival_time=message.get("arrival_time"))
+        except Exception as exc:
+            if not isinstance(exc, InvalidRequestError):
+                log.log(logging.WARNING if hasattr(exc, "code") else logging.ERROR,
+                        "request %s refused: %s", rid, exc, exc_info=not hasattr(exc, "code"))
+            self._writes.append((rid, P.error_message(exc)))
+            self._done.append((stream, entry_id))
+            return
+        self._live[rid] = _Live(stream, entry_id, DeltaTracker(len(prompt_ids)), params.n)
+        ack = {"type": P.ACK, "prompt_tokens": len(prompt_ids), "replica": self.replica_id}
+        self._writes.append((rid, ack))
+
+    def _prompt(self, message: dict[str, Any]) -> str | list[int]:
+        if "messages" in message:
+            try:
+                template = self.engine.tokenizer.apply_chat_template
+                return template(message["messages"], add_generation_prompt=True)
+            except Exception as exc:
+                raise InvalidRequestError(f"cannot apply the chat template: {exc}") from exc
+        if "prompt_token_ids" in message:
+            return [int(t) for t in message["prompt_token_ids"]]
+        return message["prompt"]
+
+    def _answer_utility(self, entry_id: str, message: dict[str, Any]) -> None:
+        try:
+            if message["type"] == P.DETOKENIZE:
+                answer = {"type": P.RESULT, "text": self.engine.tokenizer.decode(message["token_ids"])}
+            else:
+                prompt = self._prompt(message)
+                ids = prompt if isinstance(prompt, list) else self.engine.tokenizer.encode(prompt)
+                answer = {"type": P.RESULT, "token_ids": list(ids), "count": len(ids),
+                          "max_model_len": self.engine.config.max_model_len}
+        except Exception as exc:
+            answer = P.error_message(exc if hasattr(exc, "code") else InvalidRequestError(str(exc)))
+        self._writes.append((message["id"], answer))
+        self._done.append((self.util_stream, entry_id))
+
+    def _publish(self, outputs: list) -> None:
+        for output in outputs:
+            live = self._live.get(output.request_id)
+            if live is None:  # aborted this iteration
+                continue
+            for message in live.tracker.messages(output, self.replica_id):
+                self._writes.append((output.request_id, message))
+            if output.finished:
+                self._done.append((live.stream, live.entry_id))
+                del self._live[output.request_id]
+
+    def _abort(self, rid: str) -> None:
+        live = self._live.pop(rid, None)
+        if live is None:
+            return
+        self.engine.abort_request(rid)
+        reasons = [(i, "abort", None) for i in range(live.n)]
+        self._writes.append((rid, live.tracker.final(reasons, self.replica_id)))
+        self._done.append((live.stream, live.entry_id))
+
+    def _fail(self, rid: str, exc: BaseException) -> None:
+        live = self._live.pop(rid)
+        self._writes.append((rid, P.error_message(exc)))
+        self._done.append((live.stream, live.entry_id))
+
+    def _flush(self) -> None:
+        """Write this iteration's output entries, then acknowledge finished requests, in one round trip."""
+        if not self._writes and not self._done:
+            return
+        with self.redis.pipeline(transaction=False) as pipe:
+            for rid, message in self._writes:
+                pipe.xadd(self.keys.output(rid), P.encode(message))
+            for rid in {rid for rid, _ in self._writes}:
+                pipe.expire(self.keys.output(rid), self.settings.output_ttl)
+            for stream, entry_id in self._done:
+                pipe.xack(stream, P.GROUP, entry_id)
+                pipe.xdel(stream, entry_id)
+            pipe.execute()
+        self._writes.clear()
+        self._done.clear()
+
+    # -------------------------------------------------------------------------------- liveness, recovery
+
+    def _update_stats(self) -> None:
+        stats = self.engine.stats()
+        now, tokens = time.monotonic(), stats.get("generation_tokens_total", 0)
+        then, before = self._last_tokens
+        self._last_tokens = (now, tokens)
+        self.heartbeat.payload = {
+            "replica": self.replica_id, "model": self.model, "host": socket.gethostname(), "pid": os.getpid(),
+            "started_at": self._started_at, "time": time.time(),
+            "config": dataclasses.asdict(self.engine.config),
+            "max_model_len": self.engine.config.max_model_len,
+            "inflight": len(self._live), "max_inflight": self.max_inflight,
+            "tokens_per_s": (tokens - before) / (now - then) if now > then else 0.0,
+            "stats": stats,
+        }
+
+    def _dead_consumers(self) -> set[str]:
+        consumers = set()
+        for stream in (self.req_stream, self.util_stream):
+            for info in self.redis.xinfo_consumers(stream, P.GROUP):
+                consumers.add(info["name"])
+        consumers.discard(self.replica_id)
+        if not consumers:
+            return set()
+        names = sorted(consumers)
+        alive = self.redis.mget([self.keys.replica(c) for c in names])
+        return {c for c, beat in zip(names, alive, strict=True) if beat is None}
+
+    def _recover(self, consumer: str) -> None:
+        """Take over the pending entries of a dead consumer (or our own after a lost connection)."""
+        min_idle = 0 if consumer == self.replica_id else int(self.settings.claim_min_idle * 1000)
+        for stream in (self.req_stream, self.util_stream):
+            pending = self.redis.xpending_range(stream, P.GROUP, min="-", max="+", count=1000,
+                                                consumername=consumer)
+            if pending:
+                ids = [p["message_id"] for p in pending]
+                for entry_id, fields in self.redis.xclaim(stream, P.GROUP, self.replica_id, min_idle, ids):
+                    self._take_over(stream, entry_id, fields)
+            elif consumer != self.replica_id:
+                self.redis.xgroup_delconsumer(stream, P.GROUP, consumer)
+
+    def _take_over(self, stream: str, entry_id: str, fields: dict | None) -> None:
+        if not fields:  # the entry was deleted meanwhile
+            self._done.append((stream, entry_id))
+            return
+        message = P.decode(fields)
+        rid = message["id"]
+        if rid in self._live:
+            return
+        if stream == self.util_stream:
+            self._answer_utility(entry_id, message)
+            return
+        last = self.redis.xrevrange(self.keys.output(rid), count=1)
+        seen = P.decode(last[0][1])["type"] if last else None
+        log.warning("replica %s takes over request %s (last output: %s)", self.replica_id, rid, seen)
+        if seen in (P.FINAL, P.ERROR) or self.redis.exists(self.keys.abort(rid)):
+            self._done.append((stream, entry_id))
+        elif seen == P.DELTA:
+            self._writes.append((rid, P.error_message(EngineUnavailableError(
+                "the engine replica serving this request died after streaming part of it; "
+                "it was not re-run."))))
+            self._done.append((stream, entry_id))
+        else:
+            self._start(stream, entry_id, message)

@@ -1,0 +1,158 @@
+"""The engine supervisor: one engine process per served model, loaded and unloaded by control messages.
+
+Each model runs as a child `python -m inference_engine serve` process, so a model's crash, memory and
+threads stay its own, and unloading it returns all of its memory. The control stream is read through a
+consumer group, so load/unload messages sent while the supervisor was down are handled when it comes back.
+A child that dies unexpectedly is restarted (it then also takes over its predecessor's pending requests).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from inference_engine.bus import protocol as P
+
+log = logging.getLogger(__name__)
+
+CONTROL_GROUP = "supervisor"
+MAX_QUICK_RESTARTS = 5  # a child that keeps dying within a minute is given up on
+
+
+@dataclass
+class _Child:
+    name: str
+    model: str | None
+    engine_args: dict[str, Any]
+    process: subprocess.Popen
+    restarts: list[float] = field(default_factory=list)
+    state: str = "running"  # "running" | "failed"
+
+
+def serve_command(redis_url: str, name: str, model: str | None, engine_args: dict[str, Any],
+                  prefix: str, extra: list[str]) -> list[str]:
+    """The `serve` command line for one model; `engine_args` uses EngineConfig / CLI names (dashes or not)."""
+    cmd = [sys.executable, "-m", "inference_engine", "serve", "--redis-url", redis_url,
+           "--served-model-name", name, "--prefix", prefix]
+    if model:
+        cmd += ["--model", model]
+    for key, value in engine_args.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            cmd.append(flag if value else "--no-" + flag[2:])
+        elif value is not None:
+            cmd += [flag, str(value)]
+    return cmd + extra
+
+
+class Supervisor:
+    def __init__(self, redis_url: str, name: str = "default", prefix: str = P.DEFAULT_PREFIX,
+                 serve_extra: list[str] | None = None, heartbeat_interval: float = 1.0) -> None:
+        self.redis_url, self.name, self.prefix = redis_url, name, prefix
+        self.serve_extra = serve_extra or []
+        self.heartbeat_interval = heartbeat_interval
+        self.keys = P.Keys(prefix)
+        self.redis = redis.Redis.from_url(redis_url, decode_responses=True, socket_timeout=10)
+        self.children: dict[str, _Child] = {}
+        self._stopping = threading.Event()
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    def load(self, name: str, model: str | None, engine_args: dict[str, Any]) -> None:
+        if name in self.children and self.children[name].process.poll() is None:
+            log.info("model %r is already loaded", name)
+            return
+        cmd = serve_command(self.redis_url, name, model, engine_args, self.prefix, self.serve_extra)
+        log.info("loading %r: %s", name, " ".join(cmd))
+        self.children[name] = _Child(name, model, engine_args, subprocess.Popen(cmd))
+
+    def unload(self, name: str, timeout: float = 30.0) -> None:
+        child = self.children.pop(name, None)
+        if child is None:
+            log.info("model %r is not loaded", name)
+            return
+        log.info("unloading %r", name)
+        if child.process.poll() is None:
+            child.process.send_signal(signal.SIGTERM)  # the engine drains, then withdraws its heartbeat
+            try:
+                child.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                child.process.kill()
+                child.process.wait()
+
+    def run(self) -> None:
+        stream = self.keys.control(self.name)
+        try:
+            self.redis.xgroup_create(stream, CONTROL_GROUP, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+        next_beat = 0.0
+        try:
+            while not self._stopping.is_set():
+                try:
+                    reply = self.redis.xreadgroup(CONTROL_GROUP, f"{self.name}-{os.getpid()}", {stream: ">"},
+                                                  count=16, block=500)
+                    for _, items in reply or ():
+                        for entry_id, fields in items:
+                            self._handle(P.decode(fields))
+                            self.redis.xack(stream, CONTROL_GROUP, entry_id)
+                    self._reap()
+                    if time.monotonic() >= next_beat:
+                        next_beat = time.monotonic() + self.heartbeat_interval
+                        self._beat()
+                except (redis.ConnectionError, redis.TimeoutError) as exc:
+                    log.warning("lost Redis (%s); retrying", exc)
+                    self._stopping.wait(1.0)
+                except redis.ResponseError as exc:
+                    if "NOGROUP" not in str(exc):
+                        raise
+                    self.redis.xgroup_create(stream, CONTROL_GROUP, id="0", mkstream=True)
+        finally:
+            for name in list(self.children):
+                self.unload(name)
+            self.redis.delete(self.keys.supervisor(self.name))
+
+    def _handle(self, message: dict[str, Any]) -> None:
+        try:
+            if message["type"] == P.LOAD:
+                self.load(message["name"], message.get("model"), message.get("engine_args") or {})
+            elif message["type"] == P.UNLOAD:
+                self.unload(message["name"])
+            else:
+                log.warning("unknown control message %r", message)
+        except Exception:
+            log.exception("control message %r failed", message)
+
+    def _reap(self) -> None:
+        now = time.monotonic()
+        for child in self.children.values():
+            if child.state != "running" or child.process.poll() is None:
+                continue
+            child.restarts = [t for t in child.restarts if now - t < 60] + [now]
+            if len(child.restarts) > MAX_QUICK_RESTARTS:
+                log.error("model %r keeps dying (exit %s); giving up", child.name, child.process.returncode)
+                child.state = "failed"
+                continue
+            log.warning("model %r exited with %s; restarting", child.name, child.process.returncode)
+            cmd = serve_command(self.redis_url, child.name, child.model, child.engine_args, self.prefix,
+                                self.serve_extra)
+            child.process = subprocess.Popen(cmd)
+
+    def _beat(self) -> None:
+        children = {c.name: {"pid": c.process.pid, "model": c.model, "state": c.state,
+                             "restarts": len(c.restarts)} for c in self.children.values()}
+        payload = json.dumps({"pid": os.getpid(), "children": children})
+        self.redis.set(self.keys.supervisor(self.name), payload,
+                       px=int(self.heartbeat_interval * 5000))
