@@ -1,0 +1,126 @@
+"""The paged KV-cache allocator (PagedAttention's block manager).
+
+KV memory is a pool of fixed-size blocks; each sequence maps its logical blocks to physical ones
+through its block table and grows one block at a time, so at most one partly filled block per
+sequence is ever wasted. Blocks are reference-counted: forked samples (n > 1) share their prompt's
+blocks and copy a shared partial block on first write, and with prefix caching every full block is
+registered under a hash of its tokens and everything before them, so later requests that start the
+same way reuse it. Blocks nobody references stay cached until the pool needs them, least recently
+used first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from inference_engine.sequence import Sequence
+
+BlockKey = tuple[int, tuple[int, ...]]  # (hash of the previous block's key, this block's tokens)
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_keys: list[BlockKey | None] = [None] * num_blocks
+        # Unreferenced blocks in eviction order (front first); cached ones sit behind the blank ones.
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[BlockKey, int] = {}
+        self.num_cache_hits = 0  # tokens served from the prefix cache, for stats
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Fresh blocks `append_slots` would take, counting a copy-on-write of a shared last block."""
+        total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        needed = max(0, total - len(seq.block_table))
+        if seq.num_computed_tokens % self.block_size and self.ref_counts[seq.block_table[-1]] > 1:
+            needed += 1
+        return needed
+
+    def can_append(self, seq: Sequence, num_new_tokens: int, reserve: int = 0) -> bool:
+        return self.blocks_needed(seq, num_new_tokens) + reserve <= self.num_free_blocks
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
+        """Makes room for the next tokens; returns (src, dst) block copies the cache must perform first."""
+        copies = []
+        if seq.num_computed_tokens % self.block_size and self.ref_counts[seq.block_table[-1]] > 1:
+            shared = seq.block_table[-1]
+            self.ref_counts[shared] -= 1
+            seq.block_table[-1] = self._take()
+            copies.append((shared, seq.block_table[-1]))
+        total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        while len(seq.block_table) < total:
+            seq.block_table.append(self._take())
+        return copies
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """Points a new sequence at cached blocks for its leading full blocks; returns tokens reused.
+
+        The last token is always recomputed (its logits are needed), so its block is never matched.
+        """
+        if not self.enable_prefix_caching or seq.block_table:
+            return 0
+        parent = 0
+        for start in range(0, len(seq.token_ids) - self.block_size, self.block_size):
+            key = (parent, tuple(seq.token_ids[start : start + self.block_size]))
+            block = self.cached.get(key)
+            if block is None:
+                break
+            if self.ref_counts[block] == 0:
+                del self.free[block]
+            self.ref_counts[block] += 1
+            seq.block_table.append(block)
+            parent = hash(key)
+            seq.block_hashes.append(parent)
+        reused = len(seq.block_table) * self.block_size
+        seq.num_computed_tokens = seq.num_cached_tokens = reused
+        self.num_cache_hits += reused
+        return reused
+
+    def register_full_blocks(self, seq: Sequence) -> None:
+        """Publishes blocks whose every slot now holds computed K/V, so later requests can reuse them."""
+        if not self.enable_prefix_caching:
+            return
+        for i in range(len(seq.block_hashes), seq.num_computed_tokens // self.block_size):
+            parent = seq.block_hashes[-1] if seq.block_hashes else 0
+            key = (parent, tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size]))
+            seq.block_hashes.append(hash(key))
+            block = seq.block_table[i]
+            if key not in self.cached and self.block_keys[block] is None:  # else someone cached it first
+                self.block_keys[block] = key
+                self.cached[key] = block
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        for block in child.block_table:
+            self.ref_counts[block] += 1
+
+    def free_seq(self, seq: Sequence) -> None:
+        # Release the tail first: it is evicted before the prefix, which other requests are likelier to share.
+        for block in reversed(seq.block_table):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free[block] = None
+                if self.block_keys[block] is None:
+                    self.free.move_to_end(block, last=False)
+        seq.block_table = []
+        seq.block_hashes = []
+
+    def _take(self) -> int:
+        block, _ = self.free.popitem(last=False)
+        key = self.block_keys[block]
+        if key is not None:
+            del self.cached[key]
+            self.block_keys[block] = None
+        self.ref_counts[block] = 1
+        return block

@@ -1,0 +1,41 @@
+"""Engine configuration: the knobs of vLLM's engine arguments that this engine implements."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from inference_engine.errors import InvalidRequestError
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # a GGUF file or a Hugging Face folder; None = the bundled default
+    served_model_name: str | None = None
+    dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
+    device: str = "auto"  # "auto" | "cpu" | "cuda"
+    attention_backend: str = "auto"  # "auto" | "torch" | "triton"
+    max_num_seqs: int = 256
+    max_model_len: int | None = None  # None = the model's own context length
+    max_num_batched_tokens: int = 2048  # token budget per step; longer prompts are prefilled in chunks
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9  # share of device memory the engine may use (CUDA)
+    kv_cache_memory_bytes: int | None = None  # explicit KV budget; the default on CPU is 1 GiB
+    swap_space: float = 0.0  # GiB of CPU memory for swapped-out KV blocks; 0 = preempt by recompute
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    max_pending_requests: int = 4096  # admission bound: beyond it add_request raises EngineOverloadedError
+    log_stats_interval: float = 10.0  # seconds between stats log lines; 0 disables
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (8, 16, 32):
+            raise InvalidRequestError(f"block_size must be 8, 16 or 32, got {self.block_size}.")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise InvalidRequestError(f"unknown dtype {self.dtype!r}.")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise InvalidRequestError(f"unknown attention_backend {self.attention_backend!r}.")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise InvalidRequestError("gpu_memory_utilization must be in (0, 1].")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < self.block_size:
+            raise InvalidRequestError("max_num_seqs must be >= 1 and max_num_batched_tokens >= block_size.")
+        if self.swap_space < 0:
+            raise InvalidRequestError("swap_space must be non-negative.")

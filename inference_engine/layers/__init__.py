@@ -1,0 +1,1 @@
+"""Building blocks of the model code: sharding-aware linear layers, norms, rotary embeddings, attention."""

@@ -1,0 +1,40 @@
+"""Vocabulary-parallel embedding and LM head: each rank holds a contiguous slice of the vocabulary."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from inference_engine.distributed import all_reduce, tp_rank, tp_size
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        self.shard = (vocab_size + self.tp_size - 1) // self.tp_size
+        self.start = self.tp_rank * self.shard
+        self.weight = nn.Parameter(torch.empty(self.shard, hidden_size), requires_grad=False)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+        rows = loaded[self.start : self.start + self.shard]
+        param.data[: rows.shape[0]].copy_(rows)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        mask = (local >= 0) & (local < self.shard)
+        y = F.embedding(local.clamp(0, self.shard - 1), self.weight) * mask.unsqueeze(-1)
+        return all_reduce(y)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        if self.tp_size > 1:
+            gathered = [torch.empty_like(logits) for _ in range(self.tp_size)]
+            torch.distributed.all_gather(gathered, logits)
+            logits = torch.cat(gathered, dim=-1)
+        return logits

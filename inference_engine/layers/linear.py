@@ -1,0 +1,79 @@
+"""Linear layers shaped for tensor parallelism, as in Megatron / vLLM / nano-vllm.
+
+A column-parallel layer shards its output features, a row-parallel layer its input features and
+all-reduces the result; fused projections (QKV, gate+up) keep one weight and load each checkpoint
+tensor into its slice. On one device the shards are the whole tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from inference_engine.distributed import all_reduce, tp_rank, tp_size
+
+
+class ColumnParallelLinear(nn.Module):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        assert output_size % self.tp_size == 0
+        self.weight = nn.Parameter(torch.empty(output_size // self.tp_size, input_size), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(output_size // self.tp_size), requires_grad=False) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+        shard = param.shape[0]
+        param.data.copy_(loaded.narrow(0, self.tp_rank * shard, shard))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input in one matmul (gate_proj + up_proj)."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+        super().__init__(input_size, sum(output_sizes), bias)
+        self.output_sizes = output_sizes
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+        assert isinstance(shard_id, int)
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        size = self.output_sizes[shard_id] // self.tp_size
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp_rank * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Q, K and V projections in one matmul; each rank holds its share of query and KV heads."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool) -> None:
+        size = tp_size()
+        self.num_heads, self.num_kv_heads = num_heads // size, max(1, num_kv_heads // size)
+        self.head_dim = head_dim
+        super().__init__(hidden_size, (num_heads + 2 * self.num_kv_heads * size) * head_dim, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp_rank * size, size))
+
+
+class RowParallelLinear(nn.Module):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        assert input_size % self.tp_size == 0
+        self.weight = nn.Parameter(torch.empty(output_size, input_size // self.tp_size), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+        if param.dim() == 1:  # the bias is added once, after the all-reduce
+            param.data.copy_(loaded)
+            return
+        shard = param.shape[1]
+        param.data.copy_(loaded.narrow(1, self.tp_rank * shard, shard))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = all_reduce(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y

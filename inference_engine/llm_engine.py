@@ -1,0 +1,277 @@
+"""The engine: requests in, one scheduler iteration per `step()`, outputs out.
+
+`LLMEngine` ties the tokenizer, scheduler, block manager, model runner, sampler and detokenizer
+together. It is synchronous and single-threaded on purpose: the offline `LLM` calls `step()` in a
+loop, and the engine process interleaves it with reading the request bus.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+
+import torch
+
+from inference_engine.block_manager import BlockManager
+from inference_engine.config import EngineConfig
+from inference_engine.detokenizer import IncrementalDetokenizer
+from inference_engine.errors import EngineOverloadedError, InvalidRequestError
+from inference_engine.model_loader import load_model
+from inference_engine.model_runner import ModelRunner
+from inference_engine.outputs import CompletionOutput, Logprob, RequestOutput
+from inference_engine.sampler import SampleResult, Sampler
+from inference_engine.sampling_params import SamplingParams
+from inference_engine.scheduler import Scheduler
+from inference_engine.sequence import Sequence, SequenceGroup, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        loaded = load_model(config.model)
+        self.model_name = config.served_model_name or loaded.name
+        self.tokenizer = loaded.tokenizer
+        model_len = loaded.config.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or model_len, model_len)
+        self.runner = ModelRunner(config, loaded)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.sampler = Sampler(self.tokenizer.eos_token_ids, config.seed)
+        self.groups: dict[str, SequenceGroup] = {}
+        self._next_seq_id = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self._last_log = time.monotonic()
+        self._logged_tokens = 0
+        logger.info(
+            "engine ready: model=%s device=%s dtype=%s attention=%s kv_blocks=%d x %d tokens (%.1f MiB)",
+            self.model_name, self.runner.device, self.runner.dtype, self.runner.attention_backend,
+            self.runner.num_blocks, config.block_size, self.runner.num_blocks * self.runner.kv_bytes_per_block / 2**20,
+        )
+
+    # --- requests ---------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> list[int]:
+        """Validates and queues a request; returns its prompt token ids. Raises before queueing anything."""
+        if request_id in self.groups:
+            raise InvalidRequestError(f"request id {request_id!r} is already running.")
+        if len(self.groups) >= self.config.max_pending_requests:
+            raise EngineOverloadedError(f"the engine already holds {len(self.groups)} requests; retry later.")
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, token_ids = None, [int(t) for t in prompt]
+            if any(not 0 <= t < self.tokenizer.vocab_size for t in token_ids):
+                raise InvalidRequestError("prompt token ids must be in [0, vocab_size).")
+        params = self._check_lengths(token_ids, params)
+        group = SequenceGroup(request_id, text, token_ids, params, priority, arrival_time or time.time())
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None]
+        self.groups[request_id] = group
+        self.scheduler.add(self._new_sequence(group, token_ids, index=0))
+        return token_ids
+
+    def _check_lengths(self, token_ids: list[int], params: SamplingParams) -> SamplingParams:
+        n = len(token_ids)
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty.")
+        if n >= self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens, but the prompt has {n} tokens."
+            )
+        room = self.max_model_len - n
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{n + params.max_tokens} tokens ({n} in the prompt, {params.max_tokens} in the completion)."
+            )
+        capacity = (self.block_manager.num_blocks - self.scheduler.watermark) * self.config.block_size
+        needed = n + (params.max_tokens or room)
+        if needed > capacity:
+            raise InvalidRequestError(
+                f"The request needs up to {needed} tokens of KV cache but the engine's whole cache holds "
+                f"{capacity}; lower max_tokens or shorten the prompt."
+            )
+        return params
+
+    def _new_sequence(self, group: SequenceGroup, token_ids: list[int], index: int) -> Sequence:
+        params = group.params
+        seq = Sequence(self._next_seq_id, group, list(token_ids), len(group.prompt_token_ids), index=index)
+        self._next_seq_id += 1
+        if params.seed is not None:
+            seq.generator = torch.Generator().manual_seed(hash((params.seed, index)) & (2**63 - 1))
+        seq.detokenizer = IncrementalDetokenizer(
+            self.tokenizer, group.prompt_token_ids, params.stop, params.skip_special_tokens,
+            params.include_stop_str_in_output,
+        )
+        group.seqs.append(seq)
+        return seq
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """Drops requests at once and frees their KV blocks; unknown ids are ignored."""
+        for rid in [request_id] if isinstance(request_id, str) else request_id:
+            group = self.groups.pop(rid, None)
+            if group is None:
+                continue
+            for seq in group.seqs:
+                self.scheduler.remove(seq)
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    # --- the loop ---------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        now = time.time()
+        for seq in sched.seqs:
+            if seq.group.metrics.first_scheduled_time is None:
+                seq.group.metrics.first_scheduled_time = now
+                self.prompt_tokens_total += len(seq.group.prompt_token_ids)
+        out = self.runner.execute(sched)
+        touched: dict[str, SequenceGroup] = {}
+        for seq, n in zip(sched.seqs, sched.num_new_tokens, strict=True):
+            seq.num_computed_tokens += n
+            self.block_manager.register_full_blocks(seq)
+        for seq, logprobs in out.prompt_logprobs.items():
+            seq.group.prompt_logprobs.extend(logprobs)
+
+        rows, seqs = self._fork_samples(out.sample_seqs)
+        results = self.sampler(out.logits[rows], seqs) if seqs else []
+        now = time.time()
+        for seq, result in zip(seqs, results, strict=True):
+            self._append_token(seq, result)
+            group = seq.group
+            group.metrics.first_token_time = group.metrics.first_token_time or now
+            touched[group.request_id] = group
+            if seq.is_finished:
+                self.scheduler.remove(seq)
+
+        outputs = []
+        for group in touched.values():
+            if group.is_finished:
+                group.metrics.finished_time = now
+                del self.groups[group.request_id]
+            outputs.append(self._request_output(group))
+        self._maybe_log_stats()
+        return outputs
+
+    def _fork_samples(self, sample_seqs: list[Sequence]) -> tuple[list[int], list[Sequence]]:
+        """A prompt with n > 1 forks into n sequences sharing its KV blocks before its first sample."""
+        rows, seqs = [], []
+        for row, seq in enumerate(sample_seqs):
+            rows.append(row)
+            seqs.append(seq)
+            group = seq.group
+            if seq.num_output_tokens == 0 and len(group.seqs) < group.params.n and seq.index == 0:
+                for index in range(1, group.params.n):
+                    child = self._new_sequence(group, seq.token_ids, index)
+                    child.num_computed_tokens = seq.num_computed_tokens
+                    child.num_cached_tokens = seq.num_cached_tokens
+                    self.block_manager.fork(seq, child)
+                    self.scheduler.add_running(child)
+                    rows.append(row)
+                    seqs.append(child)
+        return rows, seqs
+
+    def _append_token(self, seq: Sequence, result: SampleResult) -> None:
+        params = seq.params
+        seq.token_ids.append(result.token_id)
+        seq.cumulative_logprob += result.logprob
+        if result.top_logprobs is not None:
+            seq.logprobs.append(result.top_logprobs)
+        self.generation_tokens_total += 1
+        stop_string = seq.detokenizer.add_token(result.token_id)
+        reason, stop_reason = None, None
+        if seq.num_output_tokens >= params.min_tokens:
+            if result.token_id in params.stop_token_ids:
+                reason, stop_reason = "stop", result.token_id
+            elif not params.ignore_eos and result.token_id in self.tokenizer.eos_token_ids:
+                reason = "stop"
+            elif stop_string is not None:
+                reason, stop_reason = "stop", stop_string
+        if reason is None and (
+            (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens)
+            or len(seq) >= self.max_model_len
+        ):
+            reason = "length"
+        if reason is not None:
+            if stop_string is None:
+                seq.detokenizer.finish()
+            seq.status, seq.finish_reason, seq.stop_reason = SequenceStatus.FINISHED, reason, stop_reason
+
+    def _request_output(self, group: SequenceGroup) -> RequestOutput:
+        completions = []
+        for seq in sorted(group.seqs, key=lambda s: s.index):
+            completions.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=seq.detokenizer.visible_text,
+                    token_ids=list(seq.output_token_ids),
+                    cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None else None,
+                    logprobs=self._decoded(seq.logprobs) if seq.params.logprobs is not None else None,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+            )
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            outputs=completions,
+            finished=group.is_finished,
+            metrics=group.metrics,
+            prompt_logprobs=self._decoded(group.prompt_logprobs) if group.prompt_logprobs is not None else None,
+            num_cached_tokens=group.seqs[0].num_cached_tokens,
+        )
+
+    def _decoded(self, positions: list[dict[int, Logprob] | None]) -> list[dict[int, Logprob] | None]:
+        for entry in positions:
+            for token_id, lp in (entry or {}).items():
+                if lp.decoded_token is None:
+                    lp.decoded_token = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return list(positions)
+
+    # --- observability ------------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        running = self.scheduler.running
+        return {
+            "num_running": len(running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_swapped": 0,
+            "kv_usage": self.block_manager.usage,
+            "num_free_blocks": self.block_manager.num_free_blocks,
+            "num_blocks": self.block_manager.num_blocks,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prompt_tokens_total": self.prompt_tokens_total,
+            "generation_tokens_total": self.generation_tokens_total,
+            "prefix_cache_hit_tokens": self.block_manager.num_cache_hits,
+        }
+
+    def _maybe_log_stats(self) -> None:
+        interval = self.config.log_stats_interval
+        now = time.monotonic()
+        if not interval or now - self._last_log < interval:
+            return
+        tokens = self.generation_tokens_total - self._logged_tokens
+        s = self.stats()
+        logger.info(
+            "running=%d waiting=%d kv_usage=%.1f%% generation=%.1f tok/s preemptions=%d",
+            s["num_running"], s["num_waiting"], 100 * s["kv_usage"], tokens / (now - self._last_log),
+            s["num_preemptions"],
+        )
+        self._last_log, self._logged_tokens = now, self.generation_tokens_total

@@ -1,0 +1,111 @@
+"""Iteration-level scheduling (continuous batching) with chunked prefill and preemption.
+
+Every step the scheduler first keeps the running sequences going (a decode token each, or the next
+chunk of a long prompt), then admits waiting sequences while the token budget, `max_num_seqs` and
+free KV blocks allow; prefill and decode share one batch. When blocks run out, the lowest-priority,
+most recently admitted sequence is preempted: its blocks are freed and it is recomputed later
+(or, with swap space, its blocks are copied to CPU memory and back). Requests are ordered by
+(priority, arrival), so interactive traffic at priority 0 runs ahead of bulk jobs at a higher value.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from inference_engine.block_manager import BlockManager
+from inference_engine.config import EngineConfig
+from inference_engine.sequence import Sequence, SequenceStatus
+
+
+def _order(seq: Sequence) -> tuple[int, float, int]:
+    return (seq.group.priority, seq.group.arrival_time, seq.seq_id)
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write, before the step
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.block_manager = block_manager
+        # Admission keeps ~1% of blocks free so newly admitted sequences don't force preemptions at once.
+        self.watermark = max(1, block_manager.num_blocks // 100)
+        self.waiting: list[Sequence] = []  # sorted by _order
+        self.running: list[Sequence] = []  # sorted by _order
+        self.num_preemptions = 0
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=_order)
+
+    def add_running(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.RUNNING
+        bisect.insort(self.running, seq, key=_order)
+
+    def remove(self, seq: Sequence) -> None:
+        """Takes a finished or aborted sequence out of the queues and frees its blocks."""
+        for queue in (self.running, self.waiting):
+            if seq in queue:
+                queue.remove(seq)
+        self.block_manager.free_seq(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(len(seq) - seq.num_computed_tokens, budget)
+            while not self.block_manager.can_append(seq, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                out.block_copies += self.block_manager.append_slots(seq, n)
+                out.seqs.append(seq)
+                out.num_new_tokens.append(n)
+                budget -= n
+                i += 1
+        # New work waits while anything was preempted: the freed blocks go to the running sequences.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            seq = self.waiting[0]
+            if seq.group.params.prompt_logprobs is None:
+                self.block_manager.match_prefix(seq)
+            n = min(len(seq) - seq.num_computed_tokens, budget)
+            if not self.block_manager.can_append(seq, n, reserve=self.watermark):
+                self.block_manager.free_seq(seq)  # undo the prefix match; retry next step
+                seq.num_computed_tokens = seq.num_cached_tokens = 0
+                break
+            self.waiting.pop(0)
+            out.block_copies += self.block_manager.append_slots(seq, n)
+            self.add_running(seq)
+            out.seqs.append(seq)
+            out.num_new_tokens.append(n)
+            budget -= n
+        return out
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute-style preemption: drop the KV, keep the tokens, prefill them again later."""
+        self.running.remove(seq)
+        self.block_manager.free_seq(seq)
+        seq.num_computed_tokens = 0
+        self.num_preemptions += 1
+        seq.group.metrics.num_preemptions += 1
+        self.add(seq)
