@@ -53,6 +53,7 @@ class RedisServer:
         self.executable = executable or find_redis_server()
         self.port = port or free_port()
         self._dir = tempfile.mkdtemp(prefix="llmserve-redis-")
+        self._log = os.path.join(self._dir, "redis.log")
         self.process: subprocess.Popen | None = None
 
     @property
@@ -61,13 +62,14 @@ class RedisServer:
 
     def start(self, timeout: float = 10.0) -> RedisServer:
         args = [self.executable, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                "--appendonly", "no", "--dir", self._dir, "--protected-mode", "no", "--loglevel", "warning"]
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                "--appendonly", "no", "--dir", self._dir, "--protected-mode", "no", "--loglevel", "warning",
+                "--logfile", self._log]
+        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                err = self.process.stderr.read().decode(errors="replace") if self.process.stderr else ""
-                raise RuntimeError(f"redis-server exited with {self.process.returncode}: {err.strip()}")
+                log = Path(self._log).read_text(errors="replace") if os.path.exists(self._log) else ""
+                raise RuntimeError(f"redis-server exited with {self.process.returncode}: {log.strip()[-2000:]}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock:
                     sock.sendall(b"PING\r\n")

