@@ -10,6 +10,8 @@ Decode is bound by reading K/V, so the kernel is shaped around reading each cach
   merges the parts.
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -161,6 +163,7 @@ def _decode_merge_kernel(
     )
 
 
+@functools.lru_cache
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
