@@ -159,6 +159,10 @@ def _overloaded(model: str, backlog: int) -> EngineOverloadedError:
     return EngineOverloadedError(f"model {model!r} has {backlog} requests queued; retry later.")
 
 
+def _forgotten(request_id: str) -> EngineUnavailableError:
+    return EngineUnavailableError(f"Redis lost the state of request {request_id} (restarted or flushed?).")
+
+
 def _lost(exc: Exception) -> EngineUnavailableError:
     return EngineUnavailableError(f"lost the connection to Redis: {exc}")
 
@@ -194,8 +198,11 @@ class GenerationStream:
                 for entry_id, fields in reply[0][1] if reply else ():
                     self._last_id = entry_id
                     self._buffer.append(P.decode(fields))
-                if not reply and not self.client.live_replicas(self.model):
-                    raise waiter.dead()
+                if not reply:
+                    if not self.client.live_replicas(self.model):
+                        raise waiter.dead()
+                    if not self.client.request_known(self.request_id, started=self._last_id != "0-0"):
+                        raise _forgotten(self.request_id)
         except redis.RedisError as exc:
             raise _lost(exc) from exc
         return self._buffer.popleft()
@@ -286,6 +293,12 @@ class EngineClient:
                 pipe.execute()
         except redis.RedisError as exc:
             raise _lost(exc) from exc
+
+    def request_known(self, request_id: str, started: bool) -> bool:
+        """Whether Redis still holds the request (its id key, and its output stream once it has one); both
+        vanish when Redis restarts without persistence, which the engine cannot tell the client about."""
+        keys = [self.keys.request_id(request_id)] + ([self.keys.output(request_id)] if started else [])
+        return self.redis.exists(*keys) == len(keys)
 
     def live_replicas(self, model: str) -> list[str]:
         replica_ids = sorted(self.redis.smembers(self.keys.replicas(model)))
@@ -382,8 +395,11 @@ class AsyncGenerationStream:
                 for entry_id, fields in reply[0][1] if reply else ():
                     self._last_id = entry_id
                     self._buffer.append(P.decode(fields))
-                if not reply and not await self.client.live_replicas(self.model):
-                    raise waiter.dead()
+                if not reply:
+                    if not await self.client.live_replicas(self.model):
+                        raise waiter.dead()
+                    if not await self.client.request_known(self.request_id, started=self._last_id != "0-0"):
+                        raise _forgotten(self.request_id)
         except redis.RedisError as exc:
             raise _lost(exc) from exc
         return self._buffer.popleft()
@@ -472,6 +488,10 @@ class AsyncEngineClient:
                 await pipe.execute()
         except redis.RedisError as exc:
             raise _lost(exc) from exc
+
+    async def request_known(self, request_id: str, started: bool) -> bool:
+        keys = [self.keys.request_id(request_id)] + ([self.keys.output(request_id)] if started else [])
+        return await self.redis.exists(*keys) == len(keys)
 
     async def live_replicas(self, model: str) -> list[str]:
         replica_ids = sorted(await self.redis.smembers(self.keys.replicas(model)))

@@ -68,8 +68,8 @@ class RedisServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                log = Path(self._log).read_text(errors="replace") if os.path.exists(self._log) else ""
-                raise RuntimeError(f"redis-server exited with {self.process.returncode}: {log.strip()[-2000:]}")
+                log = Path(self._log).read_text(errors="replace")[-2000:] if os.path.exists(self._log) else ""
+                raise RuntimeError(f"redis-server exited with {self.process.returncode}: {log.strip()}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock:
                     sock.sendall(b"PING\r\n")
