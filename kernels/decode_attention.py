@@ -36,6 +36,7 @@ def _decode_split_kernel(
     part_sum_ptr,
     part_acc_ptr,
     scale_log2e,
+    num_splits,
     stride_qb,
     stride_qh,
     stride_kb,
@@ -46,7 +47,6 @@ def _decode_split_kernel(
     stride_vh,
     stride_bt,
     NUM_HEADS: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -62,7 +62,7 @@ def _decode_split_kernel(
 
     seq_len = tl.load(seq_lens_ptr + seq)
     # Whole BLOCK_N chunks per split, so only a split's last chunk is ragged.
-    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seq_len)
 
@@ -113,9 +113,9 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    # Partial buffers are [batch, num_heads, NUM_SPLITS] (+ [HEAD_DIM] for acc), contiguous.
+    # Partial buffers are [batch, num_heads, num_splits] (+ [HEAD_DIM] for acc), contiguous.
     # An empty split (start >= end) stores max=-inf, sum=0, acc=0, which the merge weighs as zero.
-    row = (seq.to(tl.int64) * NUM_HEADS + heads) * NUM_SPLITS + split
+    row = (seq.to(tl.int64) * NUM_HEADS + heads) * num_splits + split
     tl.store(part_max_ptr + row, m_i, mask=h_mask)
     tl.store(part_sum_ptr + row, l_i, mask=h_mask)
     tl.store(
@@ -131,10 +131,10 @@ def _decode_merge_kernel(
     part_sum_ptr,
     part_acc_ptr,
     out_ptr,
+    num_splits,
     stride_ob,
     stride_oh,
     NUM_HEADS: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -143,10 +143,10 @@ def _decode_merge_kernel(
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < NUM_SPLITS
+    s_mask = offs_s < num_splits
     d_mask = offs_d < HEAD_DIM
 
-    row = (seq * NUM_HEADS + head) * NUM_SPLITS + offs_s
+    row = (seq * NUM_HEADS + head) * num_splits + offs_s
     m = tl.load(part_max_ptr + row, mask=s_mask, other=float("-inf"))
     l = tl.load(part_sum_ptr + row, mask=s_mask, other=0.0)
     acc = tl.load(
@@ -211,6 +211,8 @@ def paged_decode_attention(
         num_splits = choose_num_splits(
             batch, num_kv_heads, block_tables.shape[1] * page_size, _num_sms(q.device)
         )
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be at least 1, got {num_splits}")
     group = num_heads // num_kv_heads
 
     part_max = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
@@ -228,6 +230,7 @@ def paged_decode_attention(
         part_sum,
         part_acc,
         scale * LOG2E,
+        num_splits,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -238,7 +241,6 @@ def paged_decode_attention(
         v_cache.stride(2),
         block_tables.stride(0),
         NUM_HEADS=num_heads,
-        NUM_SPLITS=num_splits,
         GROUP=group,
         BLOCK_H=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)),
         BLOCK_N=BLOCK_N,
@@ -255,10 +257,10 @@ def paged_decode_attention(
         part_sum,
         part_acc,
         out,
+        num_splits,
         out.stride(0),
         out.stride(1),
         NUM_HEADS=num_heads,
-        NUM_SPLITS=num_splits,
         BLOCK_S=triton.next_power_of_2(num_splits),
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
