@@ -3,8 +3,12 @@
 One kernel covers prefill (no cached prefix), chunked prefill, prefix-cache hits and single-token decode:
 query token ``i`` of a chunk of ``q_len`` tokens sits at position ``seq_len - q_len + i`` and sees cache
 positions ``0..position``. The chunk's own K/V are already in the cache, so the kernel reads only the cache.
-A program owns ``BLOCK_M`` query tokens of one head and streams the sequence's K/V in ``BLOCK_N`` chunks,
-flash-attention style, stopping at the last position any of its queries can see.
+
+A program owns a tile of ``BLOCK_M`` rows for one kv head: ``BLOCK_M // GROUP`` consecutive query tokens
+times the ``GROUP`` query heads that share the kv head (GQA), so each K/V chunk is loaded once for the whole
+group and short chunks (decode, small chunked-prefill steps) still fill the tile. It streams the sequence's
+K/V in ``BLOCK_N`` chunks through the block table, flash-attention style, and stops at the last position any
+of its rows can see.
 """
 
 import torch
@@ -13,7 +17,7 @@ import triton.language as tl
 
 from ._common import INTERPRET, LOG2E, dot_precision, require_last_dim_contiguous
 
-BLOCK_M = 64
+MIN_BLOCK_M = 64  # rows per tile; more when a GQA group is larger
 BLOCK_N = 64
 
 
@@ -40,6 +44,7 @@ def _extend_kernel(
     stride_oh,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -47,31 +52,32 @@ def _extend_kernel(
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    m_block = tl.program_id(0)
+    q_block = tl.program_id(0)
     seq = tl.program_id(1)
-    head = tl.program_id(2)
+    kv_head = tl.program_id(2)
 
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    if m_block * BLOCK_M >= q_len:
+    if q_block * BLOCK_Q >= q_len:
         return  # the grid is sized for the longest chunk
     seq_len = tl.load(seq_lens_ptr + seq)
     prefix_len = seq_len - q_len
-    kv_head = head // GROUP
 
-    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    # Row r of the tile: query token q_block * BLOCK_Q + r // GROUP of the chunk, head r % GROUP of the group.
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = q_block * BLOCK_Q + rows // GROUP
+    heads = kv_head * GROUP + rows % GROUP
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    m_mask = offs_m < q_len
+    row_mask = (rows < BLOCK_Q * GROUP) & (q_idx < q_len)
     d_mask = offs_d < HEAD_DIM
-    q_pos = prefix_len + offs_m
-    tokens = (q_start + offs_m).to(tl.int64)
+    q_pos = prefix_len + q_idx
+    tokens = (q_start + q_idx).to(tl.int64)
+    q_offsets = tokens[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
+    o_offsets = tokens[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+    io_mask = row_mask[:, None] & d_mask[None, :]
 
-    q = tl.load(
-        q_ptr + tokens[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-        mask=m_mask[:, None] & d_mask[None, :],
-        other=0.0,
-    )
+    q = tl.load(q_ptr + q_offsets, mask=io_mask, other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
 
@@ -79,8 +85,8 @@ def _extend_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    # The last query row of this block sees up to (and including) its own position.
-    kv_end = prefix_len + tl.minimum((m_block + 1) * BLOCK_M, q_len)
+    # The tile's last query token sees up to (and including) its own position.
+    kv_end = prefix_len + tl.minimum((q_block + 1) * BLOCK_Q, q_len)
 
     # Position 0 is visible to every row, so m_i is finite after the first iteration (no inf - inf later).
     for n0 in range(0, kv_end, BLOCK_N):
@@ -111,11 +117,7 @@ def _extend_kernel(
         m_i = m_new
 
     out = acc / l_i[:, None]
-    tl.store(
-        out_ptr + tokens[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=m_mask[:, None] & d_mask[None, :],
-    )
+    tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
 def paged_extend_attention(
@@ -148,7 +150,10 @@ def paged_extend_attention(
         return out
     require_last_dim_contiguous(out)
 
-    grid = (triton.cdiv(max_query_len, BLOCK_M), batch, num_heads)
+    group = num_heads // num_kv_heads
+    block_m = max(MIN_BLOCK_M, triton.next_power_of_2(group))
+    block_q = block_m // group  # query tokens per tile
+    grid = (triton.cdiv(max_query_len, block_q), batch, num_kv_heads)
     _extend_kernel[grid](
         q,
         k_cache,
@@ -169,8 +174,9 @@ def paged_extend_attention(
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
-        GROUP=num_heads // num_kv_heads,
-        BLOCK_M=BLOCK_M,
+        GROUP=group,
+        BLOCK_M=block_m,
+        BLOCK_Q=block_q,
         BLOCK_N=BLOCK_N,
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),

@@ -12,10 +12,10 @@ from kernels import paged_extend_attention, paged_extend_attention_ref
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
 # (chunks as (cached prefix length, chunk length), block_size, head_dim, num_heads, num_kv_heads, dtype, pad)
-# Chunks longer than the kernel's 64-row query tile exercise several query tiles per sequence.
+# Chunks longer than a tile's query tokens (64 / GQA group) exercise several tiles per sequence.
 CASES = [
     ([(0, 1)], 16, 64, 9, 3, F32, None),  # the first token of a prompt
-    ([(0, 17), (0, 16), (0, 5)], 16, 64, 9, 3, BF16, -1),  # plain prefill
+    ([(0, 17), (0, 16), (0, 45)], 16, 64, 9, 3, BF16, -1),  # plain prefill
     ([(16, 1), (32, 1), (0, 1), (8, 1)], 8, 128, 8, 2, F32, None),  # decode through the extend kernel
     ([(20, 7), (64, 70), (3, 1)], 32, 128, 4, 4, F16, 0),  # chunked prefill, prefix-cache hits
     ([(100, 30), (0, 65), (7, 9)], 8, 64, 12, 3, BF16, None),
