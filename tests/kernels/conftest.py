@@ -12,14 +12,23 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-# The test machines are small and shared; more threads only make the interpreter slower.
-torch.set_num_threads(1)
-
 TOLERANCES = {
     torch.float32: {"atol": 1e-4, "rtol": 1e-4},
     torch.float16: {"atol": 2e-3, "rtol": 2e-3},
     torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2},
 }
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """The test machines are small and shared; more threads only make the interpreter slower.
+
+    Scoped to these tests (and restored) so that other test folders keep their own thread settings.
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="session")

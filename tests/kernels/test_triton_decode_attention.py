@@ -1,6 +1,7 @@
 """Split-K paged decode attention against the per-sequence PyTorch reference."""
 
 import math
+import random
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ CASES = [
     ([3, 150, 64, 1, 77, 32, 33, 120], 32, 64, 8, 8, BF16, 1, -1),
     ([600], 16, 64, 3, 1, F32, None, None),
     ([130, 17], 16, 128, 32, 8, BF16, None, None),
+    (random.Random(1).choices(range(1, 300), k=16), 16, 128, 9, 3, BF16, 5, None),
 ]
 
 

@@ -1,6 +1,7 @@
 """Paged extend (prefill / chunked prefill / prefix hit / decode) attention against the reference."""
 
 import math
+import random
 
 import pytest
 import torch
@@ -11,6 +12,13 @@ from kernels import paged_extend_attention, paged_extend_attention_ref
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
+
+def _random_chunks(seed: int, batch: int) -> list[tuple[int, int]]:
+    """Ragged (prefix length, chunk length) pairs, as a mixed batch in the engine would have."""
+    rng = random.Random(seed)
+    return [(rng.randrange(100), rng.randrange(1, 40)) for _ in range(batch)]
+
+
 # (chunks as (cached prefix length, chunk length), block_size, head_dim, num_heads, num_kv_heads, dtype, pad)
 # Chunks longer than a tile's query tokens (64 / GQA group) exercise several tiles per sequence.
 CASES = [
@@ -20,6 +28,7 @@ CASES = [
     ([(20, 7), (64, 70), (3, 1)], 32, 128, 4, 4, F16, 0),  # chunked prefill, prefix-cache hits
     ([(100, 30), (0, 65), (7, 9)], 8, 64, 12, 3, BF16, None),
     ([(5, 3), (0, 40), (31, 2), (1, 1), (47, 17), (0, 8)], 16, 64, 8, 8, F32, -1),
+    (_random_chunks(seed=2, batch=8), 32, 128, 9, 3, F16, None),
 ]
 
 
