@@ -67,23 +67,20 @@ def gbps(num_bytes: float, ms: float) -> float:
 
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
-    """Aligned text table of the decode timings."""
-    columns = [
-        ("model", "model", "{}"),
-        ("batch", "batch", "{}"),
-        ("context", "context", "{}"),
-        ("splits", "num_splits", "{}"),
-        ("triton us", "triton_ms", "{:.1f}"),
-        ("GB/s", "triton_gbps", "{:.0f}"),
-        ("% copy bw", "triton_bw_share", "{:.0%}"),
-        ("1-split us", "triton_one_split_ms", "{:.1f}"),
-        ("sdpa us", "sdpa_ms", "{:.1f}"),
-        ("sdpa/triton", "sdpa_over_triton", "{:.2f}"),
+    """Aligned text table of the decode timings (times in microseconds)."""
+    columns: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
+        ("model", lambda r: r["model"]),
+        ("batch", lambda r: str(r["batch"])),
+        ("context", lambda r: str(r["context"])),
+        ("splits", lambda r: str(r["num_splits"])),
+        ("triton us", lambda r: f"{r['triton_ms'] * 1e3:.1f}"),
+        ("GB/s", lambda r: f"{r['triton_gbps']:.0f}"),
+        ("% copy bw", lambda r: f"{r['triton_bw_share']:.0%}"),
+        ("1-split us", lambda r: f"{r['triton_one_split_ms'] * 1e3:.1f}"),
+        ("sdpa us", lambda r: f"{r['sdpa_ms'] * 1e3:.1f}"),
+        ("sdpa/triton", lambda r: f"{r['sdpa_over_triton']:.2f}"),
     ]
-    scale = {"triton_ms": 1e3, "triton_one_split_ms": 1e3, "sdpa_ms": 1e3}  # shown in microseconds
-    cells = [[title for title, _, _ in columns]]
-    for row in rows:
-        cells.append([fmt.format(row[key] * scale.get(key, 1)) for _, key, fmt in columns])
+    cells = [[title for title, _ in columns]] + [[cell(row) for _, cell in columns] for row in rows]
     widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
     return "\n".join(
         "  ".join(cell.rjust(width) for cell, width in zip(line, widths, strict=True)) for line in cells
