@@ -37,6 +37,18 @@ def _add_bus_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="INFO")
 
 
+def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    for flag, kind in ENGINE_FLAGS:
+        parser.add_argument(flag, type=kind)
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+
+
+def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine flags given on the command line, by EngineConfig field name."""
+    names = [flag[2:].replace("-", "_") for flag, _ in ENGINE_FLAGS] + ["enable_prefix_caching"]
+    return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m inference_engine")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -44,9 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="serve one model on the Redis bus")
     serve.add_argument("--model", help="GGUF file or model folder (default: the bundled SmolLM2-135M)")
     serve.add_argument("--served-model-name", help="name clients use (default: the engine's model name)")
-    for flag, kind in ENGINE_FLAGS:
-        serve.add_argument(flag, type=kind)
-    serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    _add_engine_flags(serve)
     serve.add_argument("--max-inflight", type=int, help="requests taken at once (default: --max-num-seqs)")
     serve.add_argument("--shutdown-grace", type=float, default=10.0)
     _add_bus_flags(serve)
@@ -55,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     supervise.add_argument("--name", default="default", help="supervisor name (its control stream)")
     supervise.add_argument("--model", help="a model to load at start (with --served-model-name)")
     supervise.add_argument("--served-model-name")
+    _add_engine_flags(supervise)  # defaults for every engine it starts; a load message's engine_args win
     _add_bus_flags(supervise)
 
     commands.add_parser("redis", help="run a private redis-server until interrupted")
@@ -77,9 +88,8 @@ def serve(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     url, _server = ensure_redis_url(args.redis_url)
-    names = [flag[2:].replace("-", "_") for flag, _ in ENGINE_FLAGS] + ["enable_prefix_caching"]
-    options = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
-    engine = LLMEngine(EngineConfig(model=args.model, served_model_name=args.served_model_name, **options))
+    config = EngineConfig(model=args.model, served_model_name=args.served_model_name, **_engine_options(args))
+    engine = LLMEngine(config)
     settings = ServeSettings(prefix=args.prefix, heartbeat_interval=args.heartbeat_interval,
                              heartbeat_ttl=args.heartbeat_ttl, max_inflight=args.max_inflight,
                              shutdown_grace=args.shutdown_grace)
@@ -95,7 +105,8 @@ def supervise(args: argparse.Namespace) -> None:
     extra = ["--heartbeat-interval", str(args.heartbeat_interval), "--heartbeat-ttl", str(args.heartbeat_ttl)]
     if args.threads:
         extra += ["--threads", str(args.threads)]
-    supervisor = Supervisor(url, args.name, args.prefix, extra, args.heartbeat_interval)
+    supervisor = Supervisor(url, args.name, args.prefix, extra, args.heartbeat_interval,
+                            _engine_options(args))
     if args.model or args.served_model_name:
         supervisor.load(args.served_model_name or "default", args.model, {})
     print(f"supervisor {args.name!r} on {url}", file=sys.stderr, flush=True)

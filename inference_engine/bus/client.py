@@ -323,15 +323,21 @@ class EngineClient:
                    supervisor: str = "default", timeout: float | None = None) -> None:
         """Ask a supervisor to start an engine serving `model` (path; None = bundled default) as `name`.
         With `timeout`, wait until a replica of it is live."""
+        self._check_supervisor(supervisor)
         self.redis.xadd(self.keys.control(supervisor), P.encode(
             {"type": P.LOAD, "name": name, "model": model, "engine_args": engine_args or {}}))
         if timeout is not None:
             self._wait_for(lambda: bool(self.live_replicas(name)), timeout, f"model {name!r} to load")
 
     def unload_model(self, name: str, *, supervisor: str = "default", timeout: float | None = None) -> None:
+        self._check_supervisor(supervisor)
         self.redis.xadd(self.keys.control(supervisor), P.encode({"type": P.UNLOAD, "name": name}))
         if timeout is not None:
             self._wait_for(lambda: not self.live_replicas(name), timeout, f"model {name!r} to unload")
+
+    def _check_supervisor(self, supervisor: str) -> None:
+        if not self.redis.exists(self.keys.supervisor(supervisor)):
+            raise EngineUnavailableError(f"no live engine supervisor named {supervisor!r}.")
 
     def _wait_for(self, condition: Any, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout

@@ -244,7 +244,7 @@ class EngineServer:
                 prompt = self._prompt(message)
                 ids = prompt if isinstance(prompt, list) else self.engine.tokenizer.encode(prompt)
                 answer = {"type": P.RESULT, "token_ids": list(ids), "count": len(ids),
-                          "max_model_len": self.engine.config.max_model_len}
+                          "max_model_len": self.engine.max_model_len}
         except Exception as exc:
             answer = P.error_message(exc if hasattr(exc, "code") else InvalidRequestError(str(exc)))
         self._writes.append((message["id"], answer))
@@ -302,7 +302,7 @@ class EngineServer:
             "replica": self.replica_id, "model": self.model, "host": socket.gethostname(), "pid": os.getpid(),
             "started_at": self._started_at, "time": time.time(),
             "config": dataclasses.asdict(self.engine.config),
-            "max_model_len": self.engine.config.max_model_len,
+            "max_model_len": self.engine.max_model_len,
             "inflight": len(self._live), "max_inflight": self.max_inflight,
             "tokens_per_s": (tokens - before) / (now - then) if now > then else 0.0,
             "stats": stats,

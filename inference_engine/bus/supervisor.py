@@ -57,8 +57,10 @@ def serve_command(redis_url: str, name: str, model: str | None, engine_args: dic
 
 class Supervisor:
     def __init__(self, redis_url: str, name: str = "default", prefix: str = P.DEFAULT_PREFIX,
-                 serve_extra: list[str] | None = None, heartbeat_interval: float = 1.0) -> None:
+                 serve_extra: list[str] | None = None, heartbeat_interval: float = 1.0,
+                 default_engine_args: dict[str, Any] | None = None) -> None:
         self.redis_url, self.name, self.prefix = redis_url, name, prefix
+        self.default_engine_args = default_engine_args or {}
         self.serve_extra = serve_extra or []
         self.heartbeat_interval = heartbeat_interval
         self.keys = P.Keys(prefix)
@@ -73,7 +75,7 @@ class Supervisor:
         if name in self.children and self.children[name].process.poll() is None:
             log.info("model %r is already loaded", name)
             return
-        cmd = serve_command(self.redis_url, name, model, engine_args, self.prefix, self.serve_extra)
+        cmd = self._command(name, model, engine_args)
         log.info("loading %r: %s", name, " ".join(cmd))
         self.children[name] = _Child(name, model, engine_args, subprocess.Popen(cmd))
 
@@ -98,6 +100,7 @@ class Supervisor:
         except redis.ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
+        self._beat()  # clients refuse to send control messages to a supervisor that is not alive
         next_beat = 0.0
         try:
             while not self._stopping.is_set():
@@ -124,6 +127,10 @@ class Supervisor:
                 self.unload(name)
             self.redis.delete(self.keys.supervisor(self.name))
 
+    def _command(self, name: str, model: str | None, engine_args: dict[str, Any]) -> list[str]:
+        args = {**self.default_engine_args, **engine_args}
+        return serve_command(self.redis_url, name, model, args, self.prefix, self.serve_extra)
+
     def _handle(self, message: dict[str, Any]) -> None:
         try:
             if message["type"] == P.LOAD:
@@ -146,9 +153,7 @@ class Supervisor:
                 child.state = "failed"
                 continue
             log.warning("model %r exited with %s; restarting", child.name, child.process.returncode)
-            cmd = serve_command(self.redis_url, child.name, child.model, child.engine_args, self.prefix,
-                                self.serve_extra)
-            child.process = subprocess.Popen(cmd)
+            child.process = subprocess.Popen(self._command(child.name, child.model, child.engine_args))
 
     def _beat(self) -> None:
         children = {c.name: {"pid": c.process.pid, "model": c.model, "state": c.state,

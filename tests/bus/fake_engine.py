@@ -44,6 +44,7 @@ class FakeEngine:
 
     def __init__(self, step_delay: float = 0.005, **config) -> None:
         self.config = FakeConfig(**config)
+        self.max_model_len = self.config.max_model_len
         self.tokenizer = FakeTokenizer()
         self.step_delay = step_delay
         self.requests: dict[str, _Req] = {}
