@@ -1,0 +1,129 @@
+"""Settings of the host project that runs the repository standalone.
+
+Deployment knobs come from the environment so that tests and the demo can point the same code at their own
+database, Redis and secret without editing files:
+
+``DJANGO_SECRET_KEY``   default: a random key generated once into ``var/secret_key`` (never committed)
+``DJANGO_DEBUG``        ``1`` for development
+``DJANGO_ALLOWED_HOSTS`` comma-separated; default: localhost only
+``LLMSERVE_DB_PATH``    SQLite database file (default: ``db.sqlite3`` in the repository)
+``LLMSERVE_REDIS_URL``  Redis of the request bus (also Celery's broker unless ``CELERY_BROKER_URL`` is set)
+``LLMSERVE_OPEN_ACCESS`` ``1`` serves the API without API keys
+"""
+
+import os
+import secrets
+from pathlib import Path
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+DEBUG = os.environ.get("DJANGO_DEBUG", "") == "1"
+
+
+def _secret_key() -> str:
+    """From the environment, else a per-checkout random key kept in var/ (a fresh clone just works, and no
+    key is ever committed)."""
+    if os.environ.get("DJANGO_SECRET_KEY"):
+        return os.environ["DJANGO_SECRET_KEY"]
+    path = BASE_DIR / "var" / "secret_key"
+    if not path.exists():
+        path.parent.mkdir(exist_ok=True)
+        path.touch(mode=0o600)
+        path.write_text(secrets.token_urlsafe(50))
+    return path.read_text().strip()
+
+
+SECRET_KEY = _secret_key()
+ALLOWED_HOSTS = os.environ.get("DJANGO_ALLOWED_HOSTS", "127.0.0.1,localhost,[::1]").split(",")
+
+INSTALLED_APPS = [
+    "daphne",  # first: its runserver serves ASGI (HTTP streaming and WebSockets)
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "channels",
+    "llmserve",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "hostproject.urls"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+ASGI_APPLICATION = "hostproject.asgi.application"
+
+DATABASES = {
+    "default": {
+        "ENGINE": "django.db.backends.sqlite3",
+        "NAME": os.environ.get("LLMSERVE_DB_PATH") or BASE_DIR / "db.sqlite3",
+        # Async views and Celery workers write concurrently: wait for the lock instead of failing at once.
+        "OPTIONS": {"timeout": 20},
+    }
+}
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+    {"NAME": "django.contrib.auth.password_validation.NumericPasswordValidator"},
+]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATIC_ROOT = BASE_DIR / "var" / "static"
+
+REDIS_URL = os.environ.get("LLMSERVE_REDIS_URL")
+
+LLMSERVE = {
+    "REDIS_URL": REDIS_URL,
+    "OPEN_ACCESS": os.environ.get("LLMSERVE_OPEN_ACCESS", "") == "1",
+}
+
+# One process serves the API in the standalone setup, so a local-memory cache holds rate-limit counters;
+# a multi-process deployment points CACHES (and LLMSERVE["RATE_LIMIT_CACHE"]) at Redis instead.
+CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
+
+CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+
+CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL") or REDIS_URL or "redis://127.0.0.1:6379/0"
+CELERY_RESULT_BACKEND = None  # llmserve stores job results in its own models
+CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "root": {"handlers": ["console"], "level": "WARNING"},
+    "loggers": {"llmserve": {"level": os.environ.get("LLMSERVE_LOG_LEVEL", "INFO")}},
+}

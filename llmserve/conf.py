@@ -1,0 +1,88 @@
+"""The app's settings: one ``LLMSERVE = {...}`` dict in the host project's settings, read through
+`llmserve_settings()`.
+
+The accessor is cached (views read it on every request) and the cache is dropped on Django's
+``setting_changed`` signal, so ``override_settings(LLMSERVE=...)`` works in tests.
+
+Keys (all optional; defaults in `DEFAULTS`):
+
+``REDIS_URL``            Redis of the request bus. ``None`` falls back to ``$LLMSERVE_REDIS_URL``; a system
+                         check (llmserve.E001/E002) reports a missing or unreachable one.
+``BUS_PREFIX``           Namespace of the bus's Redis keys; must match the engines' ``--prefix``.
+``OPEN_ACCESS``          ``True`` serves the API without API keys. Default ``False``: every API call needs
+                         a key.
+``DEFAULT_RATE_LIMIT``   Requests per minute per API key when the key sets none; ``0`` = unlimited.
+``RATE_LIMIT_CACHE``     Alias of the Django cache holding rate-limit counters (use a shared cache, e.g.
+                         Redis, when several web processes serve the API).
+``MAX_BODY_BYTES``       Largest accepted request body (413 beyond it).
+``MAX_PROMPT_CHARS``     Largest prompt (or sum of message contents) in characters (400 beyond it); the engine
+                         separately refuses prompts longer than the model's context.
+``MAX_TOKENS_DEFAULT``   ``max_tokens`` when a request gives none (OpenAI's chat default is "until done"; a
+                         bound keeps one request from holding a batch slot for the whole context).
+``ACK_TIMEOUT``          Seconds to wait for an engine to accept a request before answering 503.
+``STREAM_TIMEOUT``       Seconds of silence from a running request before giving up on it.
+``MAX_QUEUE``            Bus backlog per model beyond which requests get 429.
+``RETRY_AFTER``          Seconds suggested in ``Retry-After`` for 429 (overload) and 503 answers.
+``SUPERVISOR``           Name of the engine supervisor that admin load / unload actions address.
+``ENGINE_THREADS``       Torch threads of engines started by ``manage.py llmserve_engine`` (``None``: torch's
+                         choice).
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from typing import Any
+
+from django.conf import settings
+from django.core.signals import setting_changed
+from django.dispatch import receiver
+
+REDIS_URL_ENV = "LLMSERVE_REDIS_URL"  # the same variable the engine processes read
+
+DEFAULTS: dict[str, Any] = {
+    "REDIS_URL": None,
+    "BUS_PREFIX": "llmserve",
+    "OPEN_ACCESS": False,
+    "DEFAULT_RATE_LIMIT": 600,
+    "RATE_LIMIT_CACHE": "default",
+    "MAX_BODY_BYTES": 4 * 2**20,
+    "MAX_PROMPT_CHARS": 256 * 1024,
+    "MAX_TOKENS_DEFAULT": 1024,
+    "ACK_TIMEOUT": 60.0,
+    "STREAM_TIMEOUT": 60.0,
+    "MAX_QUEUE": 1024,
+    "RETRY_AFTER": 1,
+    "SUPERVISOR": "default",
+    "ENGINE_THREADS": None,
+}
+
+
+class UnknownSettingError(KeyError):
+    pass
+
+
+@lru_cache(maxsize=1)
+def llmserve_settings() -> dict[str, Any]:
+    """The effective settings: `DEFAULTS` overlaid with ``settings.LLMSERVE``.
+
+    Unknown keys are kept (so the system check can name them) but never silently used.
+    """
+    configured = getattr(settings, "LLMSERVE", {}) or {}
+    merged = {**DEFAULTS, **configured}
+    if not merged["REDIS_URL"]:
+        merged["REDIS_URL"] = os.environ.get(REDIS_URL_ENV) or None
+    return merged
+
+
+def get(name: str) -> Any:
+    """One setting by name; a typo is an error rather than a silent default."""
+    if name not in DEFAULTS:
+        raise UnknownSettingError(name)
+    return llmserve_settings()[name]
+
+
+@receiver(setting_changed)
+def _reset(*, setting: str, **kwargs: Any) -> None:
+    if setting == "LLMSERVE":
+        llmserve_settings.cache_clear()

@@ -1,0 +1,153 @@
+"""Admin-managed state: the model configurations engines serve, and the API keys clients use."""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from typing import Any
+
+from django.core.validators import MinValueValidator, RegexValidator
+from django.db import models
+from django.utils import timezone
+from django.utils.translation import gettext_lazy as _
+
+KEY_PREFIX = "sk-llm-"
+
+
+class ModelConfig(models.Model):
+    """A model the deployment serves under ``name``, and how to start its engine.
+
+    The fields mirror the engine's flags (``python -m inference_engine serve --help``); `engine_args()`
+    turns them into the load message / command line an engine understands.
+    """
+
+    class Source(models.TextChoices):
+        BUNDLED = "bundled", _("bundled default (SmolLM2-135M-Instruct)")
+        HF_FOLDER = "hf", _("Hugging Face folder")
+        GGUF = "gguf", _("GGUF file")
+
+    class DType(models.TextChoices):
+        AUTO = "auto", "auto"
+        FLOAT32 = "float32", "float32"
+        BFLOAT16 = "bfloat16", "bfloat16"
+        FLOAT16 = "float16", "float16"
+
+    name = models.CharField(
+        _("served name"), max_length=100, unique=True,
+        validators=[RegexValidator(r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$",
+                                   _("Letters, digits and . _ : / - only."))],
+        help_text=_("The name clients pass as `model`."))
+    source = models.CharField(_("source"), max_length=10, choices=Source.choices, default=Source.BUNDLED)
+    path = models.CharField(_("path"), max_length=500, blank=True,
+                            help_text=_("Folder or .gguf file on the engine host; empty for the bundled "
+                                        "model."))
+    dtype = models.CharField(_("dtype"), max_length=10, choices=DType.choices, default=DType.AUTO)
+    max_model_len = models.PositiveIntegerField(_("max model length"), null=True, blank=True,
+                                                help_text=_("Context length; empty = the model's own."))
+    block_size = models.PositiveSmallIntegerField(_("KV block size"), choices=[(8, 8), (16, 16), (32, 32)],
+                                                  default=16)
+    max_num_seqs = models.PositiveIntegerField(_("max concurrent sequences"), default=256,
+                                               validators=[MinValueValidator(1)])
+    kv_cache_memory_bytes = models.PositiveBigIntegerField(
+        _("KV cache memory (bytes)"), null=True, blank=True,
+        help_text=_("Explicit KV budget; empty = the engine's default (GPU share, or 1 GiB on CPU)."))
+    gpu_memory_utilization = models.FloatField(_("GPU memory utilization"), default=0.9)
+    enable_prefix_caching = models.BooleanField(_("prefix caching"), default=True)
+    enabled = models.BooleanField(
+        _("enabled"), default=True,
+        help_text=_("Disabled models are refused by the API even if an engine serves them."))
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        verbose_name = _("model configuration")
+        verbose_name_plural = _("model configurations")
+        ordering = ("name",)
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def model_path(self) -> str | None:
+        """What the engine's ``--model`` gets: ``None`` selects the bundled default."""
+        return None if self.source == self.Source.BUNDLED else self.path
+
+    def engine_args(self) -> dict[str, Any]:
+        """Engine options by EngineConfig name (the supervisor's load message and `serve` flags use these)."""
+        args: dict[str, Any] = {
+            "dtype": self.dtype, "block_size": self.block_size, "max_num_seqs": self.max_num_seqs,
+            "gpu_memory_utilization": self.gpu_memory_utilization,
+            "enable_prefix_caching": self.enable_prefix_caching,
+        }
+        if self.max_model_len:
+            args["max_model_len"] = self.max_model_len
+        if self.kv_cache_memory_bytes:
+            args["kv_cache_memory_bytes"] = self.kv_cache_memory_bytes
+        return args
+
+    def clean(self) -> None:
+        from django.core.exceptions import ValidationError
+
+        if self.source != self.Source.BUNDLED and not self.path:
+            raise ValidationError({"path": _("A path is required for this source.")})
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValidationError({"gpu_memory_utilization": _("Must be in (0, 1].")})
+
+
+def hash_key(raw_key: str) -> str:
+    """SHA-256 of a key. Keys are 256-bit random tokens, so a fast hash is enough (no dictionary to guess
+    from) and lets the lookup be a single indexed query."""
+    return hashlib.sha256(raw_key.encode()).hexdigest()
+
+
+class APIKeyManager(models.Manager["APIKey"]):
+    def create_key(self, name: str, **fields: Any) -> tuple[APIKey, str]:
+        """Create a key; returns the row and the raw key, which is stored nowhere and cannot be shown
+        again."""
+        raw = KEY_PREFIX + secrets.token_urlsafe(32)
+        key = self.create(name=name, prefix=raw[: len(KEY_PREFIX) + 6], hashed_key=hash_key(raw), **fields)
+        return key, raw
+
+    def get_usable(self, raw_key: str) -> APIKey | None:
+        return self.filter(hashed_key=hash_key(raw_key), revoked=False).first()
+
+    async def aget_usable(self, raw_key: str) -> APIKey | None:
+        return await self.filter(hashed_key=hash_key(raw_key), revoked=False).afirst()
+
+
+class APIKey(models.Model):
+    """A client's API key. Only its hash is stored; ``prefix`` (the first characters) identifies it in the
+    admin and in logs without revealing it."""
+
+    name = models.CharField(_("name"), max_length=100, help_text=_("Who or what uses this key."))
+    prefix = models.CharField(_("prefix"), max_length=20, editable=False, db_index=True)
+    hashed_key = models.CharField(max_length=64, unique=True, editable=False)
+    rate_limit = models.PositiveIntegerField(
+        _("rate limit (requests/minute)"), null=True, blank=True,
+        help_text=_("Empty = the LLMSERVE['DEFAULT_RATE_LIMIT'] setting; 0 = unlimited."))
+    revoked = models.BooleanField(_("revoked"), default=False)
+    created_at = models.DateTimeField(_("created"), auto_now_add=True)
+    last_used_at = models.DateTimeField(_("last used"), null=True, blank=True, editable=False)
+
+    objects = APIKeyManager()
+
+    class Meta:
+        verbose_name = _("API key")
+        verbose_name_plural = _("API keys")
+        ordering = ("-created_at",)
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.prefix}…)"
+
+    def effective_rate_limit(self) -> int:
+        from llmserve import conf
+
+        return conf.get("DEFAULT_RATE_LIMIT") if self.rate_limit is None else self.rate_limit
+
+    def revoke(self) -> None:
+        self.revoked = True
+        self.save(update_fields=["revoked"])
+
+    def needs_touch(self) -> bool:
+        """Whether ``last_used_at`` is stale enough to be worth a write (at most one write a minute)."""
+        return self.last_used_at is None or (timezone.now() - self.last_used_at).total_seconds() > 60
