@@ -23,7 +23,7 @@ import redis
 from inference_engine.bus import protocol as P
 from inference_engine.bus.deltas import DeltaTracker
 from inference_engine.bus.heartbeat import Heartbeat
-from inference_engine.errors import EngineUnavailableError, InvalidRequestError
+from inference_engine.errors import EngineError, EngineUnavailableError, InvalidRequestError
 from inference_engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -215,9 +215,8 @@ class EngineServer:
                                                  priority=int(message.get("priority", 0)),
                                                  arrival_time=message.get("arrival_time"))
         except Exception as exc:
-            if not isinstance(exc, InvalidRequestError):
-                log.log(logging.WARNING if hasattr(exc, "code") else logging.ERROR,
-                        "request %s refused: %s", rid, exc, exc_info=not hasattr(exc, "code"))
+            if not isinstance(exc, EngineError):  # a bug, not a refusal: fail it loudly, serve the others
+                log.exception("request %s failed to start", rid)
             self._writes.append((rid, P.error_message(exc)))
             self._done.append((stream, entry_id))
             return
