@@ -175,7 +175,7 @@ class EngineServer:
             streams[self.req_stream] = ">"
         with self.redis.pipeline(transaction=False) as pipe:
             pipe.xread({self.keys.aborts(self.model): self._abort_cursor}, count=1000)
-            pipe.xreadgroup(P.GROUP, self.replica_id, streams, count=max(capacity, 16),
+            pipe.xreadgroup(P.GROUP, self.replica_id, streams, count=capacity if capacity > 0 else 16,
                             block=int(self.settings.idle_block * 1000) if block else None)
             try:
                 abort_reply, reply = pipe.execute()

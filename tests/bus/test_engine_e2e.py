@@ -136,7 +136,7 @@ def test_sigkill_one_replica_mid_burst(client, replicas):
 
     def run(i: int):
         try:
-            stream = client.generate(MODEL, f"Count from {i} upwards:", params)
+            stream = client.generate(MODEL, f"Count from {i} upwards:", params, request_id=f"kill-{i}")
             return stream.request_id, stream.result()
         except EngineUnavailableError as exc:
             return None, exc
@@ -156,3 +156,8 @@ def test_sigkill_one_replica_mid_burst(client, replicas):
         assert len(set(_replicas_of(client, rid))) == 1, "a request ran on two replicas"
         assert result.usage.completion_tokens == len(result.outputs[0].token_ids)
     assert completed, "the surviving replica should have completed some requests"
+    acks = [P.decode(f) for i in range(16) for _, f in client.redis.xrange(client.keys.output(f"kill-{i}"))
+            if P.decode(f)["type"] == P.ACK]
+    per_replica = [a["replica"] for a in acks]
+    assert len(set(per_replica)) == 2, "the killed replica had no request in flight"
+    assert max(per_replica.count(r) for r in set(per_replica)) <= 8, "a replica took more than --max-inflight"
