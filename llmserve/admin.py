@@ -47,17 +47,17 @@ class ModelConfigAdmin(admin.ModelAdmin):
     @admin.display(description=_("running / waiting"))
     def requests(self, obj: ModelConfig) -> str:
         state = self._state(obj)
-        return f"{state.running} / {state.waiting}" if state.up else "–"
+        return f"{state.running} / {state.waiting}" if state.up else "-"
 
     @admin.display(description=_("KV usage"))
     def kv_usage(self, obj: ModelConfig) -> str:
         state = self._state(obj)
-        return f"{100 * state.kv_usage:.1f}%" if state.up else "–"
+        return f"{100 * state.kv_usage:.1f}%" if state.up else "-"
 
     @admin.display(description=_("tokens/s"))
     def throughput(self, obj: ModelConfig) -> str:
         state = self._state(obj)
-        return f"{state.tokens_per_s:.1f}" if state.up else "–"
+        return f"{state.tokens_per_s:.1f}" if state.up else "-"
 
     @admin.action(description=_("Load selected models on the engine supervisor"))
     def load_models(self, request: HttpRequest, queryset: QuerySet[ModelConfig]) -> None:

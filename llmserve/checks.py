@@ -18,8 +18,8 @@ from django.core import checks
 
 from llmserve import conf
 
-_POSITIVE_NUMBERS = ("MAX_BODY_BYTES", "MAX_PROMPT_CHARS", "MAX_TOKENS_DEFAULT", "ACK_TIMEOUT",
-                     "STREAM_TIMEOUT", "MAX_QUEUE")
+_POSITIVE_NUMBERS = ("MAX_BODY_BYTES", "MAX_PROMPT_CHARS", "ACK_TIMEOUT", "STREAM_TIMEOUT", "MAX_QUEUE",
+                     "RETRY_AFTER")
 
 
 @checks.register(checks.Tags.compatibility)
@@ -39,6 +39,11 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
     if not isinstance(open_access, bool):
         errors.append(checks.Error(f"LLMSERVE['OPEN_ACCESS'] must be True or False, got {open_access!r}.",
                                    id="llmserve.E004"))
+    default_max = values["MAX_TOKENS_DEFAULT"]
+    if default_max is not None and (isinstance(default_max, bool) or not isinstance(default_max, int)
+                                    or default_max < 1):
+        errors.append(checks.Error(f"LLMSERVE['MAX_TOKENS_DEFAULT'] must be None or an integer >= 1, got "
+                                   f"{default_max!r}.", id="llmserve.E004"))
     rate = values["DEFAULT_RATE_LIMIT"]
     if isinstance(rate, bool) or not isinstance(rate, int) or rate < 0:
         errors.append(checks.Error(f"LLMSERVE['DEFAULT_RATE_LIMIT'] must be an integer >= 0, got {rate!r}.",

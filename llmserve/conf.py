@@ -17,8 +17,8 @@ Keys (all optional; defaults in `DEFAULTS`):
 ``MAX_BODY_BYTES``       Largest accepted request body (413 beyond it).
 ``MAX_PROMPT_CHARS``     Largest prompt (or sum of message contents) in characters (400 beyond it); the engine
                          separately refuses prompts longer than the model's context.
-``MAX_TOKENS_DEFAULT``   ``max_tokens`` when a request gives none (OpenAI's chat default is "until done"; a
-                         bound keeps one request from holding a batch slot for the whole context).
+``MAX_TOKENS_DEFAULT``   ``max_tokens`` when a request gives none; ``None`` (default): until the context is
+                         full, as vLLM does. A number bounds how long one request may hold a batch slot.
 ``ACK_TIMEOUT``          Seconds to wait for an engine to accept a request before answering 503.
 ``STREAM_TIMEOUT``       Seconds of silence from a running request before giving up on it.
 ``MAX_QUEUE``            Bus backlog per model beyond which requests get 429.
@@ -46,9 +46,9 @@ DEFAULTS: dict[str, Any] = {
     "OPEN_ACCESS": False,
     "DEFAULT_RATE_LIMIT": 600,
     "RATE_LIMIT_CACHE": "default",
-    "MAX_BODY_BYTES": 4 * 2**20,
+    "MAX_BODY_BYTES": 2 * 2**20,  # under Django's DATA_UPLOAD_MAX_MEMORY_SIZE (2.5 MiB)
     "MAX_PROMPT_CHARS": 256 * 1024,
-    "MAX_TOKENS_DEFAULT": 1024,
+    "MAX_TOKENS_DEFAULT": None,
     "ACK_TIMEOUT": 60.0,
     "STREAM_TIMEOUT": 60.0,
     "MAX_QUEUE": 1024,

@@ -1,0 +1,21 @@
+"""``POST /v1/completions`` and ``POST /v1/chat/completions``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.http import HttpRequest, HttpResponse
+
+from llmserve.api import generation, schema
+from llmserve.api.decorators import api_view
+from llmserve.auth import Principal
+
+
+@api_view(("POST",), json_body=True)
+async def completions(request: HttpRequest, body: dict[str, Any], principal: Principal) -> HttpResponse:
+    return await generation.respond(schema.parse("completion", body))
+
+
+@api_view(("POST",), json_body=True)
+async def chat_completions(request: HttpRequest, body: dict[str, Any], principal: Principal) -> HttpResponse:
+    return await generation.respond(schema.parse("chat", body))

@@ -1,0 +1,70 @@
+"""API-key authentication, shared by the REST API and the WebSocket consumer.
+
+Clients send ``Authorization: Bearer <key>`` (what the openai client does). Keys are looked up by their
+hash; the raw key never reaches a log line or the database. With ``LLMSERVE["OPEN_ACCESS"]`` the API needs no
+key and rate limits apply per client address instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from django.utils import timezone
+
+from llmserve import conf, ratelimit
+from llmserve.models import APIKey
+
+
+class AuthenticationFailed(Exception):
+    pass
+
+
+class RateLimited(Exception):
+    def __init__(self, retry_after: float, limit: int) -> None:
+        super().__init__(f"Rate limit of {limit} requests per minute exceeded.")
+        self.retry_after, self.limit = retry_after, limit
+
+
+@dataclass
+class Principal:
+    """Who is calling: an API key, or an anonymous client of an open deployment."""
+
+    key: APIKey | None
+    identity: str  # rate-limit bucket; never the raw key
+    rate_limit: int
+
+
+def bearer_token(authorization: str | None) -> str | None:
+    if not authorization:
+        return None
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() != "bearer":
+        return None
+    return token.strip() or None
+
+
+async def aauthenticate(authorization: str | None, client_address: str | None = None) -> Principal:
+    """The caller behind an ``Authorization`` header; raises `AuthenticationFailed` for a missing, unknown or
+    revoked key unless the deployment is open."""
+    token = bearer_token(authorization)
+    if conf.get("OPEN_ACCESS"):
+        key = await APIKey.objects.aget_usable(token) if token else None
+        if key is None:
+            return Principal(None, f"addr:{client_address or '-'}", conf.get("DEFAULT_RATE_LIMIT"))
+    else:
+        if token is None:
+            raise AuthenticationFailed("Missing API key: send it as `Authorization: Bearer <key>`.")
+        key = await APIKey.objects.aget_usable(token)
+        if key is None:
+            raise AuthenticationFailed("Incorrect or revoked API key.")
+    if key.needs_touch():
+        key.last_used_at = timezone.now()
+        await APIKey.objects.filter(pk=key.pk).aupdate(last_used_at=key.last_used_at)
+    return Principal(key, f"key:{key.pk}", key.effective_rate_limit())
+
+
+async def acheck_rate(principal: Principal) -> None:
+    """Count one request against the caller's limit; raises `RateLimited` beyond it."""
+    retry_after = await ratelimit.ahit(principal.identity, principal.rate_limit)
+    if retry_after is not None:
+        raise RateLimited(retry_after, principal.rate_limit)
