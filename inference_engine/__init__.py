@@ -8,7 +8,15 @@ from inference_engine.config import EngineConfig
 from inference_engine.outputs import CompletionOutput, Logprob, RequestOutput
 from inference_engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "Logprob", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineConfig",
+    "LLMEngine",
+    "Logprob",
+    "RequestOutput",
+    "SamplingParams",
+]
 
 
 def __getattr__(name: str):

@@ -21,10 +21,18 @@ from inference_engine.bus import protocol as P
 from inference_engine.bus.redis_server import ensure_redis_url
 
 ENGINE_FLAGS: list[tuple[str, type]] = [
-    ("--max-num-seqs", int), ("--max-model-len", int), ("--block-size", int),
-    ("--gpu-memory-utilization", float), ("--dtype", str), ("--max-num-batched-tokens", int),
-    ("--swap-space", float), ("--device", str), ("--kv-cache-memory-bytes", int), ("--seed", int),
-    ("--max-pending-requests", int), ("--attention-backend", str),
+    ("--max-num-seqs", int),
+    ("--max-model-len", int),
+    ("--block-size", int),
+    ("--gpu-memory-utilization", float),
+    ("--dtype", str),
+    ("--max-num-batched-tokens", int),
+    ("--swap-space", float),
+    ("--device", str),
+    ("--kv-cache-memory-bytes", int),
+    ("--seed", int),
+    ("--max-pending-requests", int),
+    ("--attention-backend", str),
 ]
 
 
@@ -90,9 +98,13 @@ def serve(args: argparse.Namespace) -> None:
     url, _server = ensure_redis_url(args.redis_url)
     config = EngineConfig(model=args.model, served_model_name=args.served_model_name, **_engine_options(args))
     engine = LLMEngine(config)
-    settings = ServeSettings(prefix=args.prefix, heartbeat_interval=args.heartbeat_interval,
-                             heartbeat_ttl=args.heartbeat_ttl, max_inflight=args.max_inflight,
-                             shutdown_grace=args.shutdown_grace)
+    settings = ServeSettings(
+        prefix=args.prefix,
+        heartbeat_interval=args.heartbeat_interval,
+        heartbeat_ttl=args.heartbeat_ttl,
+        max_inflight=args.max_inflight,
+        shutdown_grace=args.shutdown_grace,
+    )
     server = EngineServer(engine, url, args.served_model_name, settings)
     print(f"serving {server.model!r} as replica {server.replica_id} on {url}", file=sys.stderr, flush=True)
     _run_until_signal(server.stop, server.run)
@@ -105,8 +117,9 @@ def supervise(args: argparse.Namespace) -> None:
     extra = ["--heartbeat-interval", str(args.heartbeat_interval), "--heartbeat-ttl", str(args.heartbeat_ttl)]
     if args.threads:
         extra += ["--threads", str(args.threads)]
-    supervisor = Supervisor(url, args.name, args.prefix, extra, args.heartbeat_interval,
-                            _engine_options(args))
+    supervisor = Supervisor(
+        url, args.name, args.prefix, extra, args.heartbeat_interval, _engine_options(args)
+    )
     if args.model or args.served_model_name:
         supervisor.load(args.served_model_name or "default", args.model, {})
     print(f"supervisor {args.name!r} on {url}", file=sys.stderr, flush=True)
@@ -125,8 +138,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "redis":
         redis_only()
         return
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     {"serve": serve, "supervise": supervise}[args.command](args)
 
 

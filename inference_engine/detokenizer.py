@@ -57,8 +57,12 @@ class IncrementalDetokenizer:
     def _partial_stop_len(self) -> int:
         """Length of the longest tail of the text that is the start of a stop string."""
         return max(
-            (k for stop in self.stop for k in range(min(len(stop) - 1, len(self.text)), 0, -1)
-             if self.text.endswith(stop[:k])),
+            (
+                k
+                for stop in self.stop
+                for k in range(min(len(stop) - 1, len(self.text)), 0, -1)
+                if self.text.endswith(stop[:k])
+            ),
             default=0,
         )
 

@@ -16,7 +16,7 @@ PromptType = str | list[int] | dict
 
 
 class LLM:
-    """Batch generation in-process. `model` is a GGUF file or a Hugging Face folder; None = bundled default."""
+    """Batch generation in-process. `model` is a GGUF file or a Hugging Face folder; None = the default."""
 
     def __init__(self, model: str | None = None, **kwargs) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
@@ -36,7 +36,9 @@ class LLM:
 
         A prompt is a string, a list of token ids, or {"prompt": ...} / {"prompt_token_ids": [...]}.
         """
-        if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str | dict) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
         params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)

@@ -20,7 +20,7 @@ from inference_engine.errors import EngineOverloadedError, InvalidRequestError
 from inference_engine.model_loader import load_model
 from inference_engine.model_runner import ModelRunner
 from inference_engine.outputs import CompletionOutput, Logprob, RequestOutput
-from inference_engine.sampler import SampleResult, Sampler
+from inference_engine.sampler import Sampler, SampleResult
 from inference_engine.sampling_params import SamplingParams
 from inference_engine.scheduler import Scheduler
 from inference_engine.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -37,7 +37,9 @@ class LLMEngine:
         model_len = loaded.config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or model_len, model_len)
         self.runner = ModelRunner(config, loaded)
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(config, self.block_manager)
         self.sampler = Sampler(self.tokenizer.eos_token_ids, config.seed)
         self.groups: dict[str, SequenceGroup] = {}
@@ -48,8 +50,13 @@ class LLMEngine:
         self._logged_tokens = 0
         logger.info(
             "engine ready: model=%s device=%s dtype=%s attention=%s kv_blocks=%d x %d tokens (%.1f MiB)",
-            self.model_name, self.runner.device, self.runner.dtype, self.runner.attention_backend,
-            self.runner.num_blocks, config.block_size, self.runner.num_blocks * self.runner.kv_bytes_per_block / 2**20,
+            self.model_name,
+            self.runner.device,
+            self.runner.dtype,
+            self.runner.attention_backend,
+            self.runner.num_blocks,
+            config.block_size,
+            self.runner.num_blocks * self.runner.kv_bytes_per_block / 2**20,
         )
 
     # --- requests ---------------------------------------------------------------------------------
@@ -87,7 +94,8 @@ class LLMEngine:
             raise InvalidRequestError("the prompt is empty.")
         if n >= self.max_model_len:
             raise InvalidRequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens, but the prompt has {n} tokens."
+                f"This model's maximum context length is {self.max_model_len} tokens, "
+                f"but the prompt has {n} tokens."
             )
         room = self.max_model_len - n
         if params.max_tokens is not None and params.max_tokens > room:
@@ -111,7 +119,10 @@ class LLMEngine:
         if params.seed is not None:
             seq.generator = torch.Generator().manual_seed(hash((params.seed, index)) & (2**63 - 1))
         seq.detokenizer = IncrementalDetokenizer(
-            self.tokenizer, group.prompt_token_ids, params.stop, params.skip_special_tokens,
+            self.tokenizer,
+            group.prompt_token_ids,
+            params.stop,
+            params.skip_special_tokens,
             params.include_stop_str_in_output,
         )
         group.seqs.append(seq)
@@ -234,7 +245,9 @@ class LLMEngine:
             outputs=completions,
             finished=group.is_finished,
             metrics=group.metrics,
-            prompt_logprobs=self._decoded(group.prompt_logprobs) if group.prompt_logprobs is not None else None,
+            prompt_logprobs=self._decoded(group.prompt_logprobs)
+            if group.prompt_logprobs is not None
+            else None,
             num_cached_tokens=group.seqs[0].num_cached_tokens,
         )
 
@@ -271,7 +284,10 @@ class LLMEngine:
         s = self.stats()
         logger.info(
             "running=%d waiting=%d kv_usage=%.1f%% generation=%.1f tok/s preemptions=%d",
-            s["num_running"], s["num_waiting"], 100 * s["kv_usage"], tokens / (now - self._last_log),
+            s["num_running"],
+            s["num_waiting"],
+            100 * s["kv_usage"],
+            tokens / (now - self._last_log),
             s["num_preemptions"],
         )
         self._last_log, self._logged_tokens = now, self.generation_tokens_total

@@ -86,8 +86,14 @@ class ModelRunner:
         self.num_blocks = self._num_kv_blocks()
         mc = self.model_config
         self.kv_cache = torch.zeros(
-            2, mc.num_hidden_layers, self.num_blocks, self.block_size, self.model.model.layers[0].self_attn.num_kv_heads,
-            mc.head_dim, dtype=self.dtype, device=self.device,
+            2,
+            mc.num_hidden_layers,
+            self.num_blocks,
+            self.block_size,
+            self.model.model.layers[0].self_attn.num_kv_heads,
+            mc.head_dim,
+            dtype=self.dtype,
+            device=self.device,
         )
         for i, layer in enumerate(self.model.model.layers):
             layer.self_attn.k_cache, layer.self_attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
@@ -107,15 +113,19 @@ class ModelRunner:
         if budget is None and self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             # Room for one full-budget step's activations and logits besides the weights already loaded.
-            activations = self.config.max_num_batched_tokens * (
-                self.model_config.vocab_size + 8 * self.model_config.intermediate_size
-            ) * 4
+            activations = (
+                self.config.max_num_batched_tokens
+                * (self.model_config.vocab_size + 8 * self.model_config.intermediate_size)
+                * 4
+            )
             budget = int(total * self.config.gpu_memory_utilization) - (total - free) - activations
         elif budget is None:
             budget = DEFAULT_CPU_KV_BYTES
         num_blocks = budget // self.kv_bytes_per_block
         if num_blocks < 1:
-            raise ValueError(f"the KV cache budget ({budget} bytes) holds no block of {self.kv_bytes_per_block} bytes.")
+            raise ValueError(
+                f"the KV cache budget ({budget} bytes) holds no block of {self.kv_bytes_per_block} bytes."
+            )
         return int(num_blocks)
 
     @torch.inference_mode()
@@ -175,7 +185,9 @@ class ModelRunner:
                 continue
             end = min(start + meta.query_lens[b], seq.num_prompt_tokens - 1)
             row0 = int(meta.query_start_loc[b])
-            logprobs = torch.log_softmax(self.model.compute_logits(hidden[row0 : row0 + end - start]).float(), -1)
+            logprobs = torch.log_softmax(
+                self.model.compute_logits(hidden[row0 : row0 + end - start]).float(), -1
+            )
             result[seq] = [
                 top_logprobs(logprobs[i].cpu(), seq.token_ids[start + i + 1], k) for i in range(end - start)
             ]

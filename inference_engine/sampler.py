@@ -67,7 +67,8 @@ class Sampler:
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
         rows = [
-            i for i, s in enumerate(seqs)
+            i
+            for i, s in enumerate(seqs)
             if s.params.repetition_penalty != 1.0 or s.params.presence_penalty or s.params.frequency_penalty
         ]
         for i in rows:
@@ -80,8 +81,12 @@ class Sampler:
                     values > 0, values / params.repetition_penalty, values * params.repetition_penalty
                 )
             if (params.presence_penalty or params.frequency_penalty) and seq.num_output_tokens:
-                counts = torch.bincount(torch.tensor(seq.output_token_ids), minlength=row.shape[0]).to(row.dtype)
-                row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(row.dtype)
+                counts = torch.bincount(torch.tensor(seq.output_token_ids), minlength=row.shape[0]).to(
+                    row.dtype
+                )
+                row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(
+                    row.dtype
+                )
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         temperature = torch.tensor([s.params.temperature for s in seqs], dtype=logits.dtype).unsqueeze(1)
@@ -93,7 +98,9 @@ class Sampler:
         noise = torch.empty_like(probs)
         unseeded = [i for i, s in enumerate(seqs) if s.generator is None]
         if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1]).exponential_(generator=self.generator)
+            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1]).exponential_(
+                generator=self.generator
+            )
         for i, seq in enumerate(seqs):
             if seq.generator is not None:
                 noise[i].exponential_(generator=seq.generator)

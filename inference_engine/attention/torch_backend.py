@@ -13,7 +13,9 @@ import torch.nn.functional as F
 from inference_engine.attention import AttentionMetadata
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor):
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+):
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k)
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)
 
@@ -40,7 +42,9 @@ def forward(
             keys, values = _gather(k_cache, v_cache, meta.block_tables[b], ctx_len + q_len)
             pos_q = torch.arange(ctx_len, ctx_len + q_len).unsqueeze(1)
             mask, causal = torch.arange(ctx_len + q_len).unsqueeze(0) <= pos_q, False
-        out[start:end] = _sdpa(q[start:end].unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), mask, causal, scale)[0]
+        out[start:end] = _sdpa(
+            q[start:end].unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), mask, causal, scale
+        )[0]
         start = end
     return out
 

@@ -17,7 +17,9 @@ class VocabParallelEmbedding(nn.Module):
         self.start = self.tp_rank * self.shard
         self.weight = nn.Parameter(torch.empty(self.shard, hidden_size), requires_grad=False)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
+    ) -> None:
         rows = loaded[self.start : self.start + self.shard]
         param.data[: rows.shape[0]].copy_(rows)
 

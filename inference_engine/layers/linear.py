@@ -20,9 +20,13 @@ class ColumnParallelLinear(nn.Module):
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
         assert output_size % self.tp_size == 0
         self.weight = nn.Parameter(torch.empty(output_size // self.tp_size, input_size), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(output_size // self.tp_size), requires_grad=False) if bias else None
+        self.bias = (
+            nn.Parameter(torch.empty(output_size // self.tp_size), requires_grad=False) if bias else None
+        )
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
+    ) -> None:
         shard = param.shape[0]
         param.data.copy_(loaded.narrow(0, self.tp_rank * shard, shard))
 
@@ -37,7 +41,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(input_size, sum(output_sizes), bias)
         self.output_sizes = output_sizes
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
+    ) -> None:
         assert isinstance(shard_id, int)
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         size = self.output_sizes[shard_id] // self.tp_size
@@ -47,13 +53,17 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 class QKVParallelLinear(ColumnParallelLinear):
     """Q, K and V projections in one matmul; each rank holds its share of query and KV heads."""
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool) -> None:
+    def __init__(
+        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool
+    ) -> None:
         size = tp_size()
         self.num_heads, self.num_kv_heads = num_heads // size, max(1, num_kv_heads // size)
         self.head_dim = head_dim
         super().__init__(hidden_size, (num_heads + 2 * self.num_kv_heads * size) * head_dim, bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
+    ) -> None:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
         param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp_rank * size, size))
@@ -67,7 +77,9 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(output_size, input_size // self.tp_size), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
+    ) -> None:
         if param.dim() == 1:  # the bias is added once, after the all-reduce
             param.data.copy_(loaded)
             return

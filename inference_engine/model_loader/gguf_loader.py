@@ -39,17 +39,22 @@ _NAMES = {
 # Pre-tokenizer splits per llama.cpp's `tokenizer.ggml.pre` names (regexes as in the original tokenizers).
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _SPLIT_DIGITS = {"smollm", "starcoder", "refact", "command-r", "codeshell"}
 
 
 def load(path: Path) -> LoadedModel:
     reader = gguf.GGUFReader(str(path))
-    meta = {name: _field_value(f) for name, f in reader.fields.items() if not name.startswith("tokenizer.ggml.")}
+    meta = {
+        name: _field_value(f) for name, f in reader.fields.items() if not name.startswith("tokenizer.ggml.")
+    }
     arch = meta["general.architecture"]
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {SUPPORTED_ARCHITECTURES}).")
+        raise ValueError(
+            f"GGUF architecture {arch!r} is not supported (supported: {SUPPORTED_ARCHITECTURES})."
+        )
     tokenizer = _tokenizer(reader)
     config = _config(reader, meta, arch, tokenizer)
     name = meta.get("general.name") or path.stem
@@ -104,7 +109,9 @@ def _hf_name(gguf_name: str) -> str | None:
 def _unpermute(weight: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's reordering of Q/K rows (interleaved RoPE) back to the rotate-half layout."""
     rows = weight.shape[0]
-    return weight.reshape(n_head, rows // n_head // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    return (
+        weight.reshape(n_head, rows // n_head // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    )
 
 
 def _weights(reader: gguf.GGUFReader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:

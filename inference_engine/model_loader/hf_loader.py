@@ -24,7 +24,9 @@ def load(folder: Path) -> LoadedModel:
     archs = raw.get("architectures") or []
     arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
-        raise ValueError(f"architecture {archs} is not supported (supported: {sorted(SUPPORTED_ARCHITECTURES)}).")
+        raise ValueError(
+            f"architecture {archs} is not supported (supported: {sorted(SUPPORTED_ARCHITECTURES)})."
+        )
     eos = raw.get("eos_token_id")
     eos_ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
     tokenizer = load_hf_tokenizer(folder, eos_ids)

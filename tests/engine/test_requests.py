@@ -1,0 +1,90 @@
+"""Request lifecycle: validation errors that cost nothing, aborts that free blocks, duplicate ids."""
+
+from __future__ import annotations
+
+import pytest
+
+from inference_engine import LLM, SamplingParams
+from inference_engine.errors import InvalidRequestError
+
+from .conftest import PROMPTS, assert_all_blocks_free, greedy
+
+
+def test_abort_frees_blocks_at_once_and_others_finish(clean_llm):
+    engine = clean_llm.engine
+    for i, prompt in enumerate(PROMPTS[:4]):
+        engine.add_request(f"a{i}", prompt, greedy(20))
+    engine.step()
+    engine.step()
+    used = engine.block_manager.num_blocks - engine.block_manager.num_free_blocks
+    engine.abort_request(["a1", "a2", "unknown"])
+    assert engine.block_manager.num_blocks - engine.block_manager.num_free_blocks < used
+    finished = set()
+    while engine.has_unfinished_requests():
+        finished |= {o.request_id for o in engine.step() if o.finished}
+    assert finished == {"a0", "a3"}
+
+
+def test_abort_of_a_waiting_request(clean_llm):
+    engine = clean_llm.engine
+    engine.add_request("w", PROMPTS[0], greedy())
+    engine.abort_request("w")
+    assert engine.step() == []
+
+
+def test_too_long_prompt_is_rejected_without_side_effects(clean_llm):
+    engine = clean_llm.engine
+    too_long = "hello " * (engine.max_model_len + 10)
+    with pytest.raises(InvalidRequestError, match="maximum context length"):
+        engine.add_request("long", too_long, greedy())
+    prompt = "hello " * (engine.max_model_len - 100)
+    with pytest.raises(InvalidRequestError, match="in the completion"):
+        engine.add_request("long2", prompt, greedy(max_tokens=500))
+    with pytest.raises(InvalidRequestError, match="empty"):
+        engine.add_request("empty", "", greedy())
+    assert not engine.has_unfinished_requests()
+    # The engine serves normally afterwards, and the rejected id can be reused.
+    out = clean_llm.generate([PROMPTS[0]], greedy(4), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 4
+
+
+def test_duplicate_request_id_is_rejected(clean_llm):
+    engine = clean_llm.engine
+    engine.add_request("dup", PROMPTS[0], greedy(2))
+    with pytest.raises(InvalidRequestError, match="already"):
+        engine.add_request("dup", PROMPTS[1], greedy(2))
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def test_request_larger_than_the_whole_cache_is_rejected():
+    llm = LLM(dtype="float32", kv_cache_memory_bytes=4 * 737280, block_size=16)  # 4 blocks = 64 tokens
+    with pytest.raises(InvalidRequestError, match="whole cache"):
+        llm.generate(["hello " * 40], greedy(max_tokens=32), use_tqdm=False)
+    assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"temperature": -1},
+        {"top_p": 0},
+        {"top_k": -5},
+        {"n": 0},
+        {"max_tokens": 0},
+        {"stop": [""]},
+        {"min_tokens": 5, "max_tokens": 2},
+        {"logprobs": 50},
+        {"logit_bias": {1: 500}},
+    ],
+)
+def test_invalid_sampling_params(kwargs):
+    with pytest.raises(InvalidRequestError):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_round_trip_and_reject_unknown_keys():
+    params = SamplingParams(n=2, stop="x", logit_bias={5: 1.5}, seed=3)
+    assert SamplingParams.from_dict(params.to_dict()) == params
+    with pytest.raises(InvalidRequestError, match="unknown"):
+        SamplingParams.from_dict({"temprature": 0.5})
