@@ -1,0 +1,105 @@
+"""The real serving stack for end-to-end tests: a private redis-server, an engine process, a SQLite file and
+daphne serving the host project, each a child process on a free local port.
+
+Also used by benchmarks/serving.py, which is why it takes its engine flags as arguments.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from inference_engine.bus.redis_server import RedisServer, free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Small, deterministic and frugal: one torch thread (other processes share the two cores), fast heartbeats.
+ENGINE_FLAGS = ["--threads", "1", "--dtype", "float32", "--max-model-len", "512",
+                "--kv-cache-memory-bytes", str(128 * 2**20), "--heartbeat-interval", "0.25",
+                "--heartbeat-ttl", "1.5", "--log-level", "WARNING"]
+
+
+@dataclass
+class Stack:
+    model: str = "smol"
+    engine_flags: list[str] = field(default_factory=lambda: [*ENGINE_FLAGS, "--max-num-seqs", "16"])
+    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="llmserve-web-")))
+    redis: RedisServer | None = None
+    engine: subprocess.Popen | None = None
+    daphne: subprocess.Popen | None = None
+    port: int = 0
+    api_key: str = ""
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def env(self) -> dict[str, str]:
+        assert self.redis is not None
+        return {**os.environ, "DJANGO_SETTINGS_MODULE": "hostproject.settings",
+                "LLMSERVE_DB_PATH": str(self.workdir / "db.sqlite3"), "LLMSERVE_REDIS_URL": self.redis.url,
+                "DJANGO_SECRET_KEY": "test-only-secret", "PYTHONPATH": str(ROOT),
+                "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+    def manage(self, *args: str) -> str:
+        done = subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=self.env, check=True,
+                              capture_output=True, text=True, timeout=120)
+        return done.stdout
+
+    def start(self) -> Stack:
+        self.redis = RedisServer().start()
+        # The engine loads its model while the database is prepared.
+        self.engine = subprocess.Popen(
+            [sys.executable, "-m", "inference_engine", "serve", "--served-model-name", self.model,
+             "--redis-url", self.redis.url, *self.engine_flags],
+            cwd=ROOT, env=self.env, stdout=open(self.workdir / "engine.log", "w"), stderr=subprocess.STDOUT)
+        self.manage("migrate", "--verbosity", "0")
+        self.api_key = self.manage("llmserve_createkey", "tests").strip()
+        self.port = free_port()
+        self.daphne = subprocess.Popen(
+            [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(self.port),
+             "hostproject.asgi:application"],
+            cwd=ROOT, env=self.env, stdout=open(self.workdir / "daphne.log", "w"), stderr=subprocess.STDOUT)
+        self.wait_ready()
+        return self
+
+    def wait_ready(self, timeout: float = 240) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for name, proc in (("engine", self.engine), ("daphne", self.daphne)):
+                if proc is not None and proc.poll() is not None:
+                    raise RuntimeError(f"{name} exited with {proc.returncode}:\n{self.log(name)}")
+            try:
+                with urllib.request.urlopen(self.base_url + "/health", timeout=2) as reply:
+                    if self.model in json.load(reply).get("models", {}):
+                        return
+            except (OSError, urllib.error.URLError, ValueError):
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"the stack was not ready within {timeout}s:\n{self.log('engine')}\n"
+                           f"{self.log('daphne')}")
+
+    def log(self, name: str) -> str:
+        path = self.workdir / f"{name}.log"
+        return path.read_text(errors="replace")[-4000:] if path.exists() else ""
+
+    def stop(self) -> None:
+        for proc in (self.daphne, self.engine):
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        if self.redis is not None:
+            self.redis.stop()

@@ -1,0 +1,174 @@
+"""In-process tests of the app (pytest-django, a test database): API keys, admin, rate limit, settings,
+system checks, migrations and request validation."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from django.core import checks
+from django.core.management import call_command
+from django.test import override_settings
+from django.urls import reverse
+
+from inference_engine.bus.redis_server import free_port
+from llmserve import conf, ratelimit
+from llmserve.api import schema
+from llmserve.api.errors import BadRequest
+from llmserve.auth import AuthenticationFailed, aauthenticate
+from llmserve.management.commands.llmserve_engine import serve_command
+from llmserve.models import APIKey, ModelConfig, hash_key
+
+
+@pytest.mark.django_db
+def test_api_key_is_stored_only_as_hash() -> None:
+    key, raw = APIKey.objects.create_key("ci")
+    assert raw.startswith("sk-llm-") and len(raw) > 40
+    key.refresh_from_db()
+    assert key.hashed_key == hash_key(raw) and raw not in (key.hashed_key, key.prefix, key.name)
+    assert raw.startswith(key.prefix)
+    assert APIKey.objects.get_usable(raw) == key
+    key.revoke()
+    assert APIKey.objects.get_usable(raw) is None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_authentication() -> None:
+    key, raw = APIKey.objects.create_key("ci", rate_limit=7)
+
+    async def run() -> None:
+        principal = await aauthenticate(f"Bearer {raw}")
+        assert principal.key.pk == key.pk and principal.rate_limit == 7
+        for header in (None, "Bearer", "Basic abc", "Bearer sk-llm-wrong"):
+            with pytest.raises(AuthenticationFailed):
+                await aauthenticate(header)
+        with override_settings(LLMSERVE={"OPEN_ACCESS": True}):
+            anonymous = await aauthenticate(None, "10.0.0.1")
+            assert anonymous.key is None and anonymous.identity == "addr:10.0.0.1"
+
+    asyncio.run(run())
+    key.refresh_from_db()
+    assert key.last_used_at is not None
+
+
+def test_rate_limit_window() -> None:
+    async def run() -> list[float | None]:
+        return [await ratelimit.ahit("unit-test", 2) for _ in range(3)] + [await ratelimit.ahit("other", 0)]
+
+    first, second, third, unlimited = asyncio.run(run())
+    assert first is None and second is None and unlimited is None
+    assert third is not None and 0 < third <= ratelimit.WINDOW
+
+
+@pytest.mark.django_db
+def test_admin_shows_a_new_key_once(admin_client) -> None:
+    response = admin_client.post(reverse("admin:llmserve_apikey_add"), {"name": "laptop", "rate_limit": "5"})
+    assert response.status_code == 200
+    raw = response.context["raw_key"]
+    assert raw in response.content.decode() and "no-store" in response["Cache-Control"]
+    key = APIKey.objects.get(name="laptop")
+    assert key.hashed_key == hash_key(raw) and key.rate_limit == 5
+    change = admin_client.get(reverse("admin:llmserve_apikey_change", args=[key.pk]))
+    assert raw not in change.content.decode()
+    admin_client.post(reverse("admin:llmserve_apikey_changelist"),
+                      {"action": "revoke_keys", "_selected_action": [key.pk]})
+    key.refresh_from_db()
+    assert key.revoked
+
+
+@pytest.mark.django_db
+def test_admin_model_list_renders_without_engines(admin_client) -> None:
+    ModelConfig.objects.create(name="smol")
+    unreachable = f"redis://127.0.0.1:{free_port()}/0"
+    with override_settings(LLMSERVE={"REDIS_URL": unreachable}):
+        response = admin_client.get(reverse("admin:llmserve_modelconfig_changelist"))
+    assert response.status_code == 200
+    assert "down" in response.content.decode()
+
+
+@pytest.mark.django_db
+def test_engine_command_line_from_model_config() -> None:
+    model = ModelConfig.objects.create(name="tiny", source="gguf", path="/models/tiny.gguf", dtype="float32",
+                                       max_model_len=2048, enable_prefix_caching=False)
+    with override_settings(LLMSERVE={"REDIS_URL": "redis://127.0.0.1:7000/0", "ENGINE_THREADS": 1}):
+        cmd = serve_command(model)
+    joined = " ".join(cmd)
+    for part in ("serve --served-model-name tiny", "--redis-url redis://127.0.0.1:7000/0",
+                 "--model /models/tiny.gguf", "--threads 1", "--dtype float32", "--max-model-len 2048",
+                 "--no-enable-prefix-caching"):
+        assert part in joined
+
+
+def test_settings_accessor_follows_override_settings() -> None:
+    assert conf.get("OPEN_ACCESS") is False
+    with override_settings(LLMSERVE={"OPEN_ACCESS": True, "MAX_QUEUE": 3}):
+        assert conf.get("OPEN_ACCESS") is True and conf.get("MAX_QUEUE") == 3
+    assert conf.get("MAX_QUEUE") == conf.DEFAULTS["MAX_QUEUE"]
+    with pytest.raises(conf.UnknownSettingError):
+        conf.get("MAX_QEUE")
+
+
+def _ids(messages: list[checks.CheckMessage]) -> set[str]:
+    return {m.id for m in messages}
+
+
+def test_checks_catch_missing_and_unreachable_redis(monkeypatch) -> None:
+    monkeypatch.delenv(conf.REDIS_URL_ENV, raising=False)
+    with override_settings(LLMSERVE={"REDIS_URL": None}):
+        assert "llmserve.E001" in _ids(checks.run_checks())
+    with override_settings(LLMSERVE={"REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}):
+        assert "llmserve.E002" in _ids(checks.run_checks())
+
+
+def test_checks_pass_with_a_live_redis(stack) -> None:
+    with override_settings(LLMSERVE={"REDIS_URL": stack.redis.url}):
+        assert not {i for i in _ids(checks.run_checks()) if i.startswith("llmserve.")}
+
+
+def test_checks_catch_bad_settings() -> None:
+    with override_settings(LLMSERVE={"REDIS_URL": "redis://x", "MAX_QEUE": 3, "MAX_BODY_BYTES": -1,
+                                     "OPEN_ACCESS": "yes"}):
+        messages = checks.run_checks(tags=["compatibility"])
+    assert {"llmserve.E003", "llmserve.E004"} <= _ids(messages)
+
+
+@pytest.mark.django_db
+def test_no_missing_migrations() -> None:
+    call_command("makemigrations", "--check", "--dry-run", verbosity=0)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"model": "m", "messages": []}, "messages"),
+    ({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, "temperature"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": True}, "n"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_p": 2}, "top_p"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stream_options": {}}, "stream_options"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": []}, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}]}, "model"),
+])
+def test_chat_body_validation(body: dict, param: str) -> None:
+    with pytest.raises(BadRequest) as info:
+        schema.parse("chat", body)
+    assert info.value.param == param
+
+
+def test_chat_body_maps_to_sampling_params() -> None:
+    request = schema.parse("chat", {
+        "model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+        "max_completion_tokens": 9, "logprobs": True, "top_logprobs": 3, "stop": "\n", "seed": 4,
+        "stream": True, "stream_options": {"include_usage": True}, "logit_bias": {"42": -100}, "user": "u"})
+    assert request.messages == [{"role": "user", "content": "hi"}]
+    params = request.params
+    assert (params.max_tokens, params.logprobs, params.stop, params.seed) == (9, 3, ["\n"], 4)
+    assert params.logit_bias == {42: -100.0} and request.include_usage and request.logprobs
+
+
+def test_completion_prompts() -> None:
+    assert schema.parse("completion", {"model": "m", "prompt": ["only one"]}).prompt == "only one"
+    assert schema.parse("completion", {"model": "m", "prompt": [1, 2, 3]}).prompt == [1, 2, 3]
+    for prompt in ("", [], ["a", "b"], [True], 5):
+        with pytest.raises(BadRequest):
+            schema.parse("completion", {"model": "m", "prompt": prompt})
