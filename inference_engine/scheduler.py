@@ -66,7 +66,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        preempted = False
+        self._make_room_for_urgent()
+        out_of_blocks = False
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -74,7 +75,7 @@ class Scheduler:
             while not self.block_manager.can_append(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim)
-                preempted = True
+                out_of_blocks = True
                 if victim is seq:
                     break
             else:
@@ -83,8 +84,8 @@ class Scheduler:
                 out.num_new_tokens.append(n)
                 budget -= n
                 i += 1
-        # New work waits while anything was preempted: the freed blocks go to the running sequences.
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+        # New work waits while running sequences lack blocks: what frees up goes to them first.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out_of_blocks:
             seq = self.waiting[0]
             if seq.group.params.prompt_logprobs is None:
                 self.block_manager.match_prefix(seq)
@@ -100,6 +101,21 @@ class Scheduler:
             out.num_new_tokens.append(n)
             budget -= n
         return out
+
+    def _make_room_for_urgent(self) -> None:
+        """Preempts less urgent running sequences while a more urgent request cannot be admitted.
+
+        Without this, a queue full of bulk work would hold every slot and an interactive request
+        would wait for whole bulk generations to finish before its first token.
+        """
+        while self.waiting and self.running:
+            urgent, victim = self.waiting[0], self.running[-1]
+            if urgent.group.priority >= victim.group.priority:
+                break
+            blocks = self.block_manager.blocks_needed(urgent, min(len(urgent), self.max_num_batched_tokens))
+            if len(self.running) < self.max_num_seqs and blocks + self.watermark <= self.block_manager.num_free_blocks:
+                break
+            self._preempt(victim)
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute-style preemption: drop the KV, keep the tokens, prefill them again later."""

@@ -88,3 +88,23 @@ def test_sampling_params_round_trip_and_reject_unknown_keys():
     assert SamplingParams.from_dict(params.to_dict()) == params
     with pytest.raises(InvalidRequestError, match="unknown"):
         SamplingParams.from_dict({"temprature": 0.5})
+
+
+def test_urgent_request_preempts_bulk_work_and_outputs_stay_identical(hf_greedy):
+    llm = LLM(dtype="float32", max_num_seqs=2)
+    engine = llm.engine
+    engine.add_request("bulk0", PROMPTS[0], greedy(), priority=10)
+    engine.add_request("bulk1", PROMPTS[2], greedy(), priority=10)
+    for _ in range(3):
+        engine.step()
+    engine.add_request("chat", PROMPTS[13], greedy(), priority=0)
+    first = engine.step()
+    assert "chat" in {o.request_id for o in first}  # admitted (and prefilled) at once
+    assert engine.scheduler.num_preemptions == 1
+    outputs = {o.request_id: o for o in first}
+    while engine.has_unfinished_requests():
+        outputs.update({o.request_id: o for o in engine.step()})
+    for rid, prompt in (("bulk0", PROMPTS[0]), ("bulk1", PROMPTS[2]), ("chat", PROMPTS[13])):
+        out = outputs[rid]
+        assert out.finished and out.outputs[0].token_ids == hf_greedy[tuple(out.prompt_token_ids)], prompt
+    assert_all_blocks_free(llm)
