@@ -112,8 +112,9 @@ class Scheduler:
             urgent, victim = self.waiting[0], self.running[-1]
             if urgent.group.priority >= victim.group.priority:
                 break
-            blocks = self.block_manager.blocks_needed(urgent, min(len(urgent), self.max_num_batched_tokens))
-            if len(self.running) < self.max_num_seqs and blocks + self.watermark <= self.block_manager.num_free_blocks:
+            first_chunk = min(len(urgent), self.max_num_batched_tokens)
+            fits = self.block_manager.can_append(urgent, first_chunk, reserve=self.watermark)
+            if len(self.running) < self.max_num_seqs and fits:
                 break
             self._preempt(victim)
 
