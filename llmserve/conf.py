@@ -26,6 +26,14 @@ Keys (all optional; defaults in `DEFAULTS`):
 ``SUPERVISOR``           Name of the engine supervisor that admin load / unload actions address.
 ``ENGINE_THREADS``       Torch threads of engines started by ``manage.py llmserve_engine`` (``None``: torch's
                          choice).
+``BULK_PRIORITY``        Bus priority of bulk job requests (lower runs first; interactive requests use 0).
+``BULK_CONCURRENCY``     Requests one bulk job task keeps in flight. Keep it below the engines' ``max_num_seqs``
+                         so that interactive requests always find a free slot.
+``BULK_LEASE_SECONDS``   How long a bulk item stays claimed by a task without a renewal; after that (a killed
+                         worker) another task takes it over.
+``BULK_SLICE_SECONDS``   How long one bulk task claims new items before handing over to a fresh task; keep it
+                         well under the broker's ``visibility_timeout`` so that only dead tasks are redelivered.
+``BULK_MAX_FILE_BYTES``  Largest file accepted by ``POST /v1/files``.
 """
 
 from __future__ import annotations
@@ -55,6 +63,11 @@ DEFAULTS: dict[str, Any] = {
     "RETRY_AFTER": 1,
     "SUPERVISOR": "default",
     "ENGINE_THREADS": None,
+    "BULK_PRIORITY": 10,
+    "BULK_CONCURRENCY": 8,
+    "BULK_LEASE_SECONDS": 60.0,
+    "BULK_SLICE_SECONDS": 60.0,
+    "BULK_MAX_FILE_BYTES": 50 * 2**20,
 }
 
 
