@@ -99,7 +99,7 @@ def parse(kind: Kind, body: dict[str, Any]) -> GenerationRequest:
                          param="messages" if kind == "chat" else "prompt", code="prompt_too_long")
     if values["max_tokens"] is None:
         values["max_tokens"] = conf.get("MAX_TOKENS_DEFAULT")
-    params = _sampling_params(values)
+    params = _sampling_params(values, renamed={"logprobs": "top_logprobs"} if kind == "chat" else {})
     return GenerationRequest(kind, model, params, prompt, messages, stream, include_usage, echo,
                              wants_logprobs)
 
@@ -188,7 +188,8 @@ def _content(value: Any, param: str) -> str:
                      code="invalid_type")
 
 
-def _sampling_params(values: dict[str, Any]) -> SamplingParams:
+def _sampling_params(values: dict[str, Any], renamed: dict[str, str]) -> SamplingParams:
+    """`SamplingParams` from the body's values; `renamed` maps its field names back to the body's."""
     given = {k: v for k, v in values.items() if v is not None}
     if "logit_bias" in given:
         try:
@@ -200,7 +201,8 @@ def _sampling_params(values: dict[str, Any]) -> SamplingParams:
     try:
         return SamplingParams(**given)
     except InvalidRequestError as exc:
-        raise BadRequest(str(exc), param=_param_of(str(exc))) from None
+        param = _param_of(str(exc))
+        raise BadRequest(str(exc), param=renamed.get(param, param)) from None
 
 
 def _param_of(message: str) -> str | None:

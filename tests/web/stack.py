@@ -58,19 +58,21 @@ class Stack:
     def start(self) -> Stack:
         self.redis = RedisServer().start()
         # The engine loads its model while the database is prepared.
-        self.engine = subprocess.Popen(
-            [sys.executable, "-m", "inference_engine", "serve", "--served-model-name", self.model,
-             "--redis-url", self.redis.url, *self.engine_flags],
-            cwd=ROOT, env=self.env, stdout=open(self.workdir / "engine.log", "w"), stderr=subprocess.STDOUT)
+        self.engine = self._spawn("engine", "-m", "inference_engine", "serve", "--served-model-name",
+                                  self.model, "--redis-url", self.redis.url, *self.engine_flags)
         self.manage("migrate", "--verbosity", "0")
         self.api_key = self.manage("llmserve_createkey", "tests").strip()
         self.port = free_port()
-        self.daphne = subprocess.Popen(
-            [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(self.port),
-             "hostproject.asgi:application"],
-            cwd=ROOT, env=self.env, stdout=open(self.workdir / "daphne.log", "w"), stderr=subprocess.STDOUT)
+        self.daphne = self._spawn("daphne", "-m", "daphne", "-b", "127.0.0.1", "-p", str(self.port),
+                                  "hostproject.asgi:application")
         self.wait_ready()
         return self
+
+    def _spawn(self, name: str, *args: str) -> subprocess.Popen:
+        """A child process whose output goes to ``{workdir}/{name}.log`` (shown when it fails)."""
+        with open(self.workdir / f"{name}.log", "w") as log:  # the child keeps its own descriptor
+            return subprocess.Popen([sys.executable, *args], cwd=ROOT, env=self.env, stdout=log,
+                                    stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float = 240) -> None:
         deadline = time.monotonic() + timeout

@@ -140,7 +140,8 @@ def test_no_missing_migrations() -> None:
 @pytest.mark.parametrize("body, param", [
     ({"model": "m", "messages": []}, "messages"),
     ({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
-    ({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
+    ({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages[0].content"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, "temperature"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": True}, "n"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_p": 2}, "top_p"),

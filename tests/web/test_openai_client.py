@@ -51,7 +51,8 @@ def test_chat_stream_equals_non_stream_at_temperature_zero(client, stack) -> Non
 def test_completion_stream_equals_non_stream(client, stack) -> None:
     kwargs = {"model": stack.model, "prompt": "The capital of France is", "max_tokens": 12, "temperature": 0}
     full = client.completions.create(**kwargs)
-    streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs) if c.choices)
+    chunks = client.completions.create(stream=True, **kwargs)
+    streamed = "".join(c.choices[0].text for c in chunks if c.choices)
     assert full.object == "text_completion" and streamed == full.choices[0].text
 
 
@@ -106,7 +107,8 @@ def test_logprobs(client, stack) -> None:
     assert "".join(t.token for t in content) == chat.choices[0].message.content
     assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
     assert all(t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob for t in content)
-    text = client.completions.create(model=stack.model, prompt="Hello", max_tokens=5, temperature=0, logprobs=3)
+    text = client.completions.create(model=stack.model, prompt="Hello", max_tokens=5, temperature=0,
+                                     logprobs=3)
     logprobs = text.choices[0].logprobs
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 5
     assert all(len(top) == 3 for top in logprobs.top_logprobs)

@@ -1,8 +1,8 @@
 """Acceptance: the examples of ../shared/seeds/001 (sections 6.1, 7.1 and 7.3), with host and model changed.
 
-The seed starts vLLM's server as `--served-model-name my-llm` (section 5.4); here the engine serves the bundled
-model and the clients name it `stack.model`. The seed's `api_key="token-abc123"` becomes a real key, since
-this deployment requires one. Token limits are lowered to keep the test short on a CPU.
+The seed starts vLLM's server as `--served-model-name my-llm` (section 5.4); here the engine serves the
+bundled model and the clients name it `stack.model`. The seed's `api_key="token-abc123"` becomes a real key,
+since this deployment requires one. Token limits are lowered to keep the test short on a CPU.
 """
 
 from __future__ import annotations
