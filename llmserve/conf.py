@@ -26,6 +26,8 @@ Keys (all optional; defaults in `DEFAULTS`):
 ``SUPERVISOR``           Name of the engine supervisor that admin load / unload actions address.
 ``ENGINE_THREADS``       Torch threads of engines started by ``manage.py llmserve_engine`` (``None``: torch's
                          choice).
+``CHAT_LOGIN_REQUIRED``  ``True`` (default): the WebSocket chat serves logged-in users and API keys only.
+                         ``False``: anonymous visitors may chat too, rate-limited per client address.
 ``BULK_PRIORITY``        Bus priority of bulk job requests (lower runs first; interactive requests use 0).
 ``BULK_CONCURRENCY``     Requests one bulk job task keeps in flight. Keep it below the engines' ``max_num_seqs``
                          so that interactive requests always find a free slot.
