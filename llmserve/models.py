@@ -151,3 +151,7 @@ class APIKey(models.Model):
     def needs_touch(self) -> bool:
         """Whether ``last_used_at`` is stale enough to be worth a write (at most one write a minute)."""
         return self.last_used_at is None or (timezone.now() - self.last_used_at).total_seconds() > 60
+
+
+# Bulk jobs and the Batch API keep their models in their own module; importing them here registers them.
+from llmserve.bulk.models import Batch, BatchFile, BulkItem, BulkJob  # noqa: E402, F401
