@@ -1,6 +1,6 @@
 """Include with ``path("", include("llmserve.urls"))``: the OpenAI API lives under /v1/ as clients expect."""
 
-from django.urls import path
+from django.urls import include, path
 
 from llmserve.api import completions, health, metrics, models, tokenize
 
@@ -15,4 +15,5 @@ urlpatterns = [
     path("metrics", metrics.metrics, name="metrics"),
     path("tokenize", tokenize.tokenize, name="tokenize"),
     path("detokenize", tokenize.detokenize, name="detokenize"),
+    path("", include("llmserve.bulk.urls")),  # the Batch API: /v1/files, /v1/batches
 ]

@@ -21,16 +21,19 @@ from inference_engine.bus.redis_server import RedisServer, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# Small, deterministic and frugal: one torch thread (other processes share the two cores), fast heartbeats.
-ENGINE_FLAGS = ["--threads", "1", "--dtype", "float32", "--max-model-len", "512",
-                "--kv-cache-memory-bytes", str(128 * 2**20), "--heartbeat-interval", "0.25",
-                "--heartbeat-ttl", "1.5", "--log-level", "WARNING"]
+
+def engine_flags(threads: int = 1, max_num_seqs: int = 16) -> list[str]:
+    """Small, deterministic and frugal: one torch thread by default (other processes share the cores), fp32,
+    a short context, a 128 MiB KV cache and fast heartbeats."""
+    return ["--threads", str(threads), "--max-num-seqs", str(max_num_seqs), "--dtype", "float32",
+            "--max-model-len", "512", "--kv-cache-memory-bytes", str(128 * 2**20),
+            "--heartbeat-interval", "0.25", "--heartbeat-ttl", "1.5", "--log-level", "WARNING"]
 
 
 @dataclass
 class Stack:
     model: str = "smol"
-    engine_flags: list[str] = field(default_factory=lambda: [*ENGINE_FLAGS, "--max-num-seqs", "16"])
+    engine_flags: list[str] = field(default_factory=engine_flags)
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="llmserve-web-")))
     redis: RedisServer | None = None
     engine: subprocess.Popen | None = None
