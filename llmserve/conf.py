@@ -65,6 +65,7 @@ DEFAULTS: dict[str, Any] = {
     "RETRY_AFTER": 1,
     "SUPERVISOR": "default",
     "ENGINE_THREADS": None,
+    "CHAT_LOGIN_REQUIRED": True,
     "BULK_PRIORITY": 10,
     "BULK_CONCURRENCY": 8,
     "BULK_LEASE_SECONDS": 60.0,
