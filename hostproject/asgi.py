@@ -9,8 +9,16 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "hostproject.settings")
 # Initialise Django (apps, settings) before anything imports models.
 django_asgi_app = get_asgi_application()
 
-from channels.routing import ProtocolTypeRouter  # noqa: E402
+from channels.auth import AuthMiddlewareStack  # noqa: E402
+from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
+from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
+from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
+
+from llmserve.routing import websocket_urlpatterns  # noqa: E402
 
 application = ProtocolTypeRouter({
-    "http": django_asgi_app,
+    # The standalone project has no web server in front: Django serves the chat page's static files itself.
+    "http": ASGIStaticFilesHandler(django_asgi_app),
+    # Only pages of our own hosts may open sockets (they carry the visitor's session cookie).
+    "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
 })

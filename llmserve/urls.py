@@ -2,6 +2,7 @@
 
 from django.urls import include, path
 
+from llmserve import views
 from llmserve.api import completions, health, metrics, models, tokenize
 
 app_name = "llmserve"
@@ -16,4 +17,5 @@ urlpatterns = [
     path("tokenize", tokenize.tokenize, name="tokenize"),
     path("detokenize", tokenize.detokenize, name="detokenize"),
     path("", include("llmserve.bulk.urls")),  # the Batch API: /v1/files, /v1/batches
+    path("chat/", views.chat, name="chat"),
 ]

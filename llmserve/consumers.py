@@ -1,0 +1,299 @@
+"""The WebSocket chat consumer: a conversation in, the answer streamed back token by token.
+
+Protocol (JSON text frames). The client sends
+
+    {"type": "chat", "id": <any>, "model": "...", "messages": [{"role", "content"}...],
+     "params": {"temperature": 0.7, "max_tokens": 256, ...}}   # OpenAI chat sampling fields
+    {"type": "stop"}                                            # abort the running answer
+    {"type": "models"}                                          # ask for the live models again
+
+and receives ``ready`` (with the live models) once connected, then per answer ``start`` (prompt token
+count), ``delta`` (new text), and ``end`` (finish_reason, usage, ttft seconds, tokens_per_s), or ``error``
+(code, message, param) for anything refused. A stopped answer ends with finish_reason ``"abort"``.
+
+The token loop runs as its own task so that a ``stop`` message or a disconnect is handled while tokens are
+still arriving: cancelling the task aborts the engine request, which frees its KV blocks within one step.
+
+Who may chat: an API key (offered as the subprotocol ``llmserve.key.<key>`` — browsers cannot set headers
+on a WebSocket — or an ``Authorization: Bearer`` header), else the session's logged-in user, else anyone
+when ``LLMSERVE["CHAT_LOGIN_REQUIRED"]`` is False. Every chat message counts against the caller's rate limit,
+as every REST request does. The server always answers with the subprotocol ``llmserve.chat``, never echoing
+a key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from channels.generic.websocket import AsyncJsonWebsocketConsumer
+
+from inference_engine.bus.protocol import RequestDelta
+from inference_engine.errors import EngineError, ModelNotFoundError
+from llmserve import bus, conf
+from llmserve.api import errors, schema
+from llmserve.api.generation import _Timer
+from llmserve.api.models import _served
+from llmserve.auth import (
+    AuthenticationFailed,
+    Principal,
+    RateLimited,
+    aauthenticate,
+    acheck_rate,
+    bearer_token,
+)
+from llmserve.models import ModelConfig
+
+log = logging.getLogger("llmserve.chat")
+
+SUBPROTOCOL = "llmserve.chat"
+KEY_SUBPROTOCOL = "llmserve.key."
+CLOSE_UNAUTHORIZED = 4401  # application close codes live in 4000-4999
+
+
+class ChatError(Exception):
+    """A refusal to report on the socket: ``{"type": "error", "code", "message", "param"}``."""
+
+    def __init__(self, code: str, message: str, param: str | None = None,
+                 retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.code, self.message, self.param, self.retry_after = code, message, param, retry_after
+
+    @classmethod
+    def from_api(cls, exc: errors.APIError) -> ChatError:
+        return cls(exc.code or exc.type, exc.message, exc.param, exc.retry_after)
+
+
+@dataclass
+class Answer:
+    """One answer's bookkeeping, kept outside its task so a stopped answer can still report its numbers."""
+
+    id: Any
+    model: str
+    received: float = field(default_factory=time.monotonic)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    first_token: float | None = None
+    last_token: float | None = None
+
+    def saw(self, delta: RequestDelta) -> None:
+        count = sum(len(o.token_ids) for o in delta.outputs)
+        if count:
+            self.last_token = time.monotonic()
+            self.first_token = self.first_token or self.last_token
+            self.completion_tokens += count
+
+    def end_message(self, finish_reason: str | None) -> dict[str, Any]:
+        ttft = None if self.first_token is None else self.first_token - self.received
+        # Decode speed: the tokens after the first over the time they took (the first one includes prefill).
+        rate = None
+        if self.first_token is not None and self.last_token and self.last_token > self.first_token:
+            rate = (self.completion_tokens - 1) / (self.last_token - self.first_token)
+        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                 "total_tokens": self.prompt_tokens + self.completion_tokens}
+        return {"type": "end", "id": self.id, "finish_reason": finish_reason, "usage": usage,
+                "ttft": ttft, "tokens_per_s": rate, "elapsed": time.monotonic() - self.received}
+
+
+class ChatConsumer(AsyncJsonWebsocketConsumer):
+    """One browser tab (or client) chatting; at most one answer streams at a time per connection."""
+
+    principal: Principal | None = None
+    answer: Answer | None = None
+    task: asyncio.Task[None] | None = None
+
+    async def connect(self) -> None:
+        # Accept before authenticating so that a refusal can say why (a refused handshake reaches the browser
+        # only as an anonymous close).
+        await self.accept(SUBPROTOCOL if SUBPROTOCOL in self.scope.get("subprotocols", ()) else None)
+        try:
+            self.principal = await self._authenticate()
+        except AuthenticationFailed as exc:
+            await self._send_error(ChatError("login_required", str(exc)))
+            await self.close(code=CLOSE_UNAUTHORIZED)
+            return
+        await self.send_json({"type": "ready", "models": await self._models_or_empty(),
+                              "max_prompt_chars": conf.get("MAX_PROMPT_CHARS")})
+
+    async def disconnect(self, code: int) -> None:
+        await self._cancel()
+
+    async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None, **kwargs: Any
+                      ) -> None:
+        """Parse defensively: bad input gets an error message, never an exception that closes the socket."""
+        if self.principal is None:
+            return
+        if text_data is None:
+            await self._send_error(ChatError("invalid_message", "Send JSON text frames, not binary ones."))
+            return
+        if len(text_data) > conf.get("MAX_BODY_BYTES"):
+            await self._send_error(ChatError("request_too_large",
+                                             f"Messages are limited to {conf.get('MAX_BODY_BYTES')} bytes."))
+            return
+        try:
+            content = json.loads(text_data)
+        except (ValueError, RecursionError) as exc:
+            await self._send_error(ChatError("invalid_json", f"The message is not valid JSON: {exc}"))
+            return
+        try:
+            await self.receive_json(content)
+        except ChatError as exc:
+            await self._send_error(exc, content.get("id") if isinstance(content, dict) else None)
+        except Exception:
+            log.exception("chat message handling failed")
+            await self._send_error(ChatError("internal_error", "The server failed to handle the message."))
+
+    async def receive_json(self, content: Any, **kwargs: Any) -> None:
+        kind = content.get("type") if isinstance(content, dict) else None
+        if kind == "chat":
+            await self._start(content)
+        elif kind == "stop":
+            await self._stop()
+        elif kind == "models":
+            await self.send_json({"type": "models", "models": await self._models()})
+        else:
+            raise ChatError("invalid_message", "A message is an object whose `type` is chat, stop or models.",
+                            param="type")
+
+    # ---------------------------------------------------------------------------------------- answering
+
+    async def _start(self, content: dict[str, Any]) -> None:
+        if self.task is not None and not self.task.done():
+            raise ChatError("busy", "An answer is still streaming; stop it first.")
+        principal = await self._authenticate_again()
+        try:
+            await acheck_rate(principal)
+        except RateLimited as exc:
+            raise ChatError("rate_limit_exceeded", str(exc), retry_after=exc.retry_after) from None
+        request = _parse(content)
+        config = await ModelConfig.objects.filter(name=request.model).afirst()
+        if config is not None and not config.enabled:
+            raise ChatError("model_not_found", f"The model `{request.model}` is disabled.", "model")
+        self.answer = Answer(content.get("id"), request.model)
+        self.task = asyncio.create_task(self._stream(self.answer, request, configured=config is not None))
+
+    async def _stream(self, answer: Answer, request: schema.GenerationRequest, configured: bool) -> None:
+        """The token loop: its own task, so cancelling it (stop, disconnect) aborts the engine request."""
+        timer = _Timer(request.model, answer.received)
+        try:
+            try:
+                stream = await bus.async_client().generate(request.model, params=request.params,
+                                                           messages=request.messages)
+            except ModelNotFoundError:
+                raise ChatError.from_api(errors.model_not_served(request.model, configured)) from None
+            timer.accepted()
+            async with stream:  # aborts the request however this block is left early
+                answer.prompt_tokens = stream.prompt_tokens or 0
+                await self.send_json({"type": "start", "id": answer.id, "model": answer.model,
+                                      "prompt_tokens": answer.prompt_tokens})
+                async for delta in stream:
+                    timer.delta(delta)
+                    answer.saw(delta)
+                    text = "".join(o.text for o in delta.outputs)
+                    if text:
+                        await self.send_json({"type": "delta", "id": answer.id, "text": text})
+                    if delta.finished:
+                        reasons = [o.finish_reason for o in delta.outputs]
+                        timer.finished(delta.usage, reasons)
+                        if delta.usage is not None:
+                            answer.completion_tokens = delta.usage.completion_tokens
+                        await self.send_json(answer.end_message(reasons[0]))
+        except ChatError as exc:
+            await self._send_error(exc, answer.id)
+        except EngineError as exc:
+            await self._send_error(ChatError.from_api(errors.from_engine_error(exc)), answer.id)
+        except Exception:
+            log.exception("chat answer failed")
+            await self._send_error(ChatError("internal_error", "The answer failed on the server."), answer.id)
+
+    async def _stop(self) -> None:
+        """Stop the running answer (a late stop, after the answer ended, is harmless)."""
+        answer = self.answer
+        if await self._cancel() and answer is not None:
+            await self.send_json(answer.end_message("abort"))
+
+    async def _cancel(self) -> bool:
+        """Cancel the token loop and wait until its engine request is aborted; whether one was running."""
+        task, self.task = self.task, None
+        if task is None or task.done():
+            return False
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():  # we are being cancelled ourselves, not just the task
+                raise
+        return True
+
+    # ---------------------------------------------------------------------------------------- helpers
+
+    def _api_key(self) -> str | None:
+        for protocol in self.scope.get("subprotocols", ()):
+            if protocol.startswith(KEY_SUBPROTOCOL):
+                return protocol[len(KEY_SUBPROTOCOL):]
+        header = dict(self.scope.get("headers", ())).get(b"authorization")
+        return bearer_token(header.decode("latin-1")) if header else None
+
+    async def _authenticate(self) -> Principal:
+        key = self._api_key()
+        address = (self.scope.get("client") or ["-"])[0]
+        if key is not None:
+            return await aauthenticate(f"Bearer {key}", address)
+        user = self.scope.get("user")
+        if user is not None and user.is_authenticated:
+            return Principal(None, f"user:{user.pk}", conf.get("DEFAULT_RATE_LIMIT"))
+        if conf.get("CHAT_LOGIN_REQUIRED"):
+            raise AuthenticationFailed("Log in to chat, or connect with an API key.")
+        return Principal(None, f"addr:{address}", conf.get("DEFAULT_RATE_LIMIT"))
+
+    async def _authenticate_again(self) -> Principal:
+        """Per message, as REST does per request: a key revoked mid-conversation stops working."""
+        if self.principal is not None and self.principal.key is None:
+            return self.principal
+        try:
+            self.principal = await self._authenticate()
+        except AuthenticationFailed as exc:
+            raise ChatError("invalid_api_key", str(exc)) from None
+        return self.principal
+
+    async def _models(self) -> list[dict[str, Any]]:
+        try:
+            served = await _served()
+        except EngineError as exc:
+            raise ChatError.from_api(errors.from_engine_error(exc)) from None
+        return [{"id": name, "max_model_len": info.max_model_len} for name, info in served.items()]
+
+    async def _models_or_empty(self) -> list[dict[str, Any]]:
+        try:
+            return await self._models()
+        except ChatError as exc:
+            await self._send_error(exc)
+            return []
+
+    async def _send_error(self, exc: ChatError, request_id: Any = None) -> None:
+        await self.send_json({"type": "error", "id": request_id, "code": exc.code, "message": exc.message,
+                              "param": exc.param, "retry_after": exc.retry_after})
+
+
+# Body fields the chat decides itself: one streamed answer, no logprobs.
+_NOT_SETTINGS = {"model", "messages", "stream", "stream_options", "n", "logprobs", "top_logprobs"}
+
+
+def _parse(content: dict[str, Any]) -> schema.GenerationRequest:
+    """Validate a chat message with the REST API's own rules (same fields, same limits, same wording)."""
+    params = content.get("params") or {}
+    if not isinstance(params, dict):
+        raise ChatError("invalid_type", "`params` must be an object of sampling settings.", "params")
+    reserved = _NOT_SETTINGS & set(params)
+    if reserved:
+        name = sorted(reserved)[0]
+        raise ChatError("unknown_parameter", f"`params.{name}` is not a chat setting.", f"params.{name}")
+    try:
+        body = {**params, "model": content.get("model"), "messages": content.get("messages")}
+        return schema.parse("chat", body)
+    except errors.APIError as exc:
+        raise ChatError.from_api(exc) from None

@@ -1,0 +1,216 @@
+"""The chat consumer in process, through the host project's whole ASGI stack (origin check, sessions,
+routing), with Channels' WebsocketCommunicator and a fake engine on a real Redis bus."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+from channels.testing import WebsocketCommunicator
+from django.test import Client
+
+from hostproject.asgi import application
+from llmserve.models import APIKey
+
+from .conftest import FAKE_MODEL
+
+ORIGIN = (b"origin", b"http://127.0.0.1")
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(60)]
+
+
+@pytest.fixture
+def session_cookie(django_user_model) -> bytes:
+    user = django_user_model.objects.create_user("alice", password="pw-alice-123")
+    client = Client()
+    client.force_login(user)
+    return f"sessionid={client.cookies['sessionid'].value}".encode()
+
+
+def communicator(*headers: tuple[bytes, bytes], subprotocols: list[str] | None = None
+                 ) -> WebsocketCommunicator:
+    return WebsocketCommunicator(application, "/ws/chat/", headers=[ORIGIN, *headers],
+                                 subprotocols=subprotocols or ["llmserve.chat"])
+
+
+async def connected(cookie: bytes) -> WebsocketCommunicator:
+    ws = communicator((b"cookie", cookie))
+    ok, subprotocol = await ws.connect()
+    assert ok and subprotocol == "llmserve.chat"
+    ready = await ws.receive_json_from(5)
+    assert ready["type"] == "ready" and [m["id"] for m in ready["models"]] == [FAKE_MODEL]
+    return ws
+
+
+def chat(request_id: Any = 1, max_tokens: int = 8, **extra: Any) -> dict[str, Any]:
+    return {"type": "chat", "id": request_id, "model": FAKE_MODEL,
+            "messages": [{"role": "user", "content": "Hi"}], "params": {"max_tokens": max_tokens}, **extra}
+
+
+async def until_idle(engine, timeout: float = 5.0) -> None:
+    """The engine holds no request any more (the fake engine's stand-in for "all KV blocks are free")."""
+    deadline = time.monotonic() + timeout
+    while engine.requests or engine.stats()["num_free_blocks"] != engine.stats()["num_blocks"]:
+        assert time.monotonic() < deadline, f"engine still holds {list(engine.requests)}"
+        await asyncio.sleep(0.02)
+
+
+@pytest.mark.asyncio
+async def test_streams_an_answer_token_by_token(fake_engine, session_cookie) -> None:
+    ws = await connected(session_cookie)
+    await ws.send_json_to(chat("q1", max_tokens=8))
+    start = await ws.receive_json_from(5)
+    assert start["type"] == "start" and start["id"] == "q1" and start["prompt_tokens"] > 0
+    deltas, end = [], None
+    while end is None:
+        message = await ws.receive_json_from(5)
+        if message["type"] == "delta":
+            deltas.append(message["text"])
+        else:
+            end = message
+    assert len(deltas) == 8  # one frame per token: the answer streams
+    prompt_ids = fake_engine.tokenizer.encode(fake_engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}]))
+    assert "".join(deltas) == fake_engine.expected_text(prompt_ids, 0, 8)
+    assert end["type"] == "end" and end["id"] == "q1" and end["finish_reason"] == "length"
+    assert end["usage"] == {"prompt_tokens": start["prompt_tokens"], "completion_tokens": 8,
+                            "total_tokens": start["prompt_tokens"] + 8}
+    assert 0 < end["ttft"] < 5 and end["tokens_per_s"] > 0
+    await ws.disconnect()
+
+
+@pytest.mark.asyncio
+async def test_stop_mid_answer_aborts_and_the_socket_goes_on(fake_engine, session_cookie) -> None:
+    ws = await connected(session_cookie)
+    await ws.send_json_to(chat("long", max_tokens=500))
+    assert (await ws.receive_json_from(5))["type"] == "start"
+    assert (await ws.receive_json_from(5))["type"] == "delta"
+    assert fake_engine.requests  # it is running
+    await ws.send_json_to({"type": "stop"})
+    while (message := await ws.receive_json_from(5))["type"] == "delta":
+        pass
+    assert message["type"] == "end" and message["id"] == "long" and message["finish_reason"] == "abort"
+    assert 0 < message["usage"]["completion_tokens"] < 500
+    await until_idle(fake_engine)
+    await ws.send_json_to({"type": "stop"})  # nothing runs: harmless, no answer
+    await ws.send_json_to(chat("next", max_tokens=3))
+    kinds = [(await ws.receive_json_from(5))["type"] for _ in range(5)]
+    assert kinds == ["start", "delta", "delta", "delta", "end"]
+    await ws.disconnect()
+
+
+@pytest.mark.asyncio
+async def test_disconnect_mid_answer_aborts(fake_engine, session_cookie) -> None:
+    ws = await connected(session_cookie)
+    await ws.send_json_to(chat(max_tokens=500))
+    assert (await ws.receive_json_from(5))["type"] == "start"
+    assert (await ws.receive_json_from(5))["type"] == "delta"
+    await ws.disconnect()
+    await until_idle(fake_engine)
+
+
+@pytest.mark.asyncio
+async def test_one_answer_at_a_time(fake_engine, session_cookie) -> None:
+    ws = await connected(session_cookie)
+    await ws.send_json_to(chat(1, max_tokens=500))
+    assert (await ws.receive_json_from(5))["type"] == "start"
+    await ws.send_json_to(chat(2))
+    while (message := await ws.receive_json_from(5))["type"] == "delta":
+        pass
+    assert message["type"] == "error" and message["code"] == "busy" and message["id"] == 2
+    await ws.disconnect()
+    await until_idle(fake_engine)
+
+
+@pytest.mark.parametrize(("frame", "code", "param"), [
+    ("not json", "invalid_json", None),
+    ('["chat"]', "invalid_message", "type"),
+    ('{"type": "dance"}', "invalid_message", "type"),
+    (chat(model=""), "invalid_value", "model"),
+    (chat(model="no-such-model"), "model_not_found", "model"),
+    (chat(messages=[]), "invalid_value", "messages"),
+    (chat(messages=[{"role": "wizard", "content": "hi"}]), "invalid_value", "messages[0].role"),
+    (chat(params={"temperature": "hot"}), "invalid_type", "temperature"),
+    (chat(params={"temperature": -1}), "invalid_value", "temperature"),
+    (chat(params={"n": 2}), "unknown_parameter", "params.n"),
+    (chat(params={"frobnicate": 1}), "unknown_parameter", "frobnicate"),
+    (chat(params=[1]), "invalid_type", "params"),
+])
+@pytest.mark.asyncio
+async def test_bad_input_gets_an_error_and_the_socket_stays_usable(fake_engine, session_cookie, frame, code,
+                                                                   param) -> None:
+    ws = await connected(session_cookie)
+    if isinstance(frame, dict):
+        await ws.send_json_to(frame)
+    else:
+        await ws.send_to(text_data=frame)
+    error = await ws.receive_json_from(5)
+    assert error["type"] == "error" and error["code"] == code and error["param"] == param, error
+    assert error["message"]
+    await ws.send_to(bytes_data=b"\x00")
+    assert (await ws.receive_json_from(5))["code"] == "invalid_message"
+    await ws.send_json_to({"type": "models"})
+    assert (await ws.receive_json_from(5))["models"][0]["id"] == FAKE_MODEL
+    await ws.disconnect()
+
+
+@pytest.mark.asyncio
+async def test_login_is_required_by_default(fake_engine, settings) -> None:
+    ws = communicator()
+    assert (await ws.connect())[0]
+    error = await ws.receive_json_from(5)
+    assert error["type"] == "error" and error["code"] == "login_required"
+    assert (await ws.receive_output(5)) == {"type": "websocket.close", "code": 4401}
+
+    settings.LLMSERVE = {**settings.LLMSERVE, "CHAT_LOGIN_REQUIRED": False}
+    ws = communicator()
+    assert (await ws.connect())[0]
+    assert (await ws.receive_json_from(5))["type"] == "ready"
+    await ws.disconnect()
+
+
+@pytest.mark.asyncio
+async def test_api_key_as_subprotocol_or_header_and_its_rate_limit(fake_engine) -> None:
+    from asgiref.sync import sync_to_async
+
+    key, raw = await sync_to_async(APIKey.objects.create_key)("chat", rate_limit=1)
+    for ws in (communicator(subprotocols=["llmserve.chat", f"llmserve.key.{raw}"]),
+               communicator((b"authorization", f"Bearer {raw}".encode()))):
+        ok, subprotocol = await ws.connect()
+        assert ok and subprotocol == "llmserve.chat"  # never the key
+        assert (await ws.receive_json_from(5))["type"] == "ready"
+        await ws.disconnect()
+
+    ws = communicator(subprotocols=["llmserve.chat", f"llmserve.key.{raw}"])
+    await ws.connect()
+    await ws.receive_json_from(5)
+    await ws.send_json_to(chat(1, max_tokens=2))
+    assert [(await ws.receive_json_from(5))["type"] for _ in range(4)] == ["start", "delta", "delta", "end"]
+    await ws.send_json_to(chat(2, max_tokens=2))
+    error = await ws.receive_json_from(5)
+    assert error["code"] == "rate_limit_exceeded" and error["retry_after"] > 0
+    await sync_to_async(key.revoke)()
+    await ws.send_json_to(chat(3, max_tokens=2))
+    assert (await ws.receive_json_from(5))["code"] == "invalid_api_key"
+    await ws.disconnect()
+
+    ws = communicator(subprotocols=["llmserve.chat", "llmserve.key.sk-llm-wrong"])
+    await ws.connect()
+    assert (await ws.receive_json_from(5))["code"] == "login_required"
+
+
+@pytest.mark.asyncio
+async def test_other_sites_cannot_open_the_socket(fake_engine, session_cookie) -> None:
+    ws = WebsocketCommunicator(application, "/ws/chat/", headers=[(b"origin", b"https://evil.example"),
+                                                                  (b"cookie", session_cookie)])
+    ok, _ = await ws.connect()
+    assert not ok
+
+
+def test_chat_page(client, django_user_model) -> None:
+    response = client.get("/chat/")
+    assert response.status_code == 302 and response["Location"].startswith("/accounts/login/?next=/chat/")
+    client.force_login(django_user_model.objects.create_user("bob", password="pw-bob-123"))
+    page = client.get("/chat/").content.decode()
+    assert '"socket_path": "/ws/chat/"' in page and "llmserve/chat.js" in page and "llmserve/chat.css" in page
