@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -108,3 +109,4 @@ class Stack:
                     proc.wait()
         if self.redis is not None:
             self.redis.stop()
+        shutil.rmtree(self.workdir, ignore_errors=True)
