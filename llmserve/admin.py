@@ -119,3 +119,6 @@ class APIKeyAdmin(admin.ModelAdmin):
     def revoke_keys(self, request: HttpRequest, queryset: QuerySet[APIKey]) -> None:
         count = queryset.update(revoked=True)
         self.message_user(request, ngettext("%d key revoked.", "%d keys revoked.", count) % count)
+
+
+from llmserve.bulk import admin as bulk_admin  # noqa: E402, F401  (registers the bulk job admin)
