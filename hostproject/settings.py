@@ -119,6 +119,12 @@ CELERY_RESULT_BACKEND = None  # llmserve stores job results in its own models
 CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+# A task whose worker died (SIGKILL, OOM, lost machine) is redelivered once its message has been
+# unacknowledged this long; bulk job tasks hand over to a fresh task every LLMSERVE["BULK_SLICE_SECONDS"]
+# (60 s), well within it.
+CELERY_BROKER_TRANSPORT_OPTIONS = {
+    "visibility_timeout": int(os.environ.get("CELERY_VISIBILITY_TIMEOUT", "300")),
+}
 
 LOGGING = {
     "version": 1,
