@@ -1,0 +1,132 @@
+"""Bulk jobs end to end: real Redis, engine, Celery worker and SQLite file; workers and engines killed mid-job."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from inference_engine.bus.client import EngineClient
+from llmserve.bulk import services
+from llmserve.bulk.models import BulkItem, BulkJob
+
+from .conftest import PARAMS, TEMPLATE, BulkStack, wait_until
+
+pytestmark = pytest.mark.timeout(600)
+
+_TOPICS = ["rivers", "bread", "comets", "bees", "trains", "glaciers", "violins", "tides", "maps", "copper"]
+
+
+def documents(count: int, seed: int = 0) -> list[dict[str, str]]:
+    """Short, distinct documents (a few dozen tokens each)."""
+    return [{"document": f"Report {seed}-{i}. This note is about {_TOPICS[i % 10]} and {_TOPICS[(i * 7 + 3) % 10]}"
+                         f". It was written on day {i % 28 + 1} and lists {i % 9 + 2} facts."}
+            for i in range(count)]
+
+
+def wait_finished(job: BulkJob, timeout: float = 300) -> BulkJob:
+    wait_until(lambda: not BulkJob.objects.get(pk=job.pk).is_active, timeout, f"job {job.pk} to finish")
+    job.refresh_from_db()
+    return job
+
+
+def bus_outputs(client: EngineClient, model: str, docs: list[dict[str, str]]) -> list[str]:
+    """The same greedy requests straight through the bus, a few at a time."""
+    def one(doc: dict[str, str]) -> str:
+        messages = [{"role": "user", "content": TEMPLATE.format_map(doc)}]
+        with client.generate(model, params=PARAMS, messages=messages) as stream:
+            return stream.result().outputs[0].text
+
+    with ThreadPoolExecutor(8) as pool:
+        return list(pool.map(one, docs))
+
+
+def rest_output(stack: BulkStack, doc: dict[str, str]) -> str:
+    body = {"model": stack.model, "messages": [{"role": "user", "content": TEMPLATE.format_map(doc)}], **PARAMS}
+    request = urllib.request.Request(stack.base_url + "/v1/chat/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json",
+                                      "Authorization": f"Bearer {stack.api_key}"})
+    with urllib.request.urlopen(request, timeout=120) as reply:
+        return json.load(reply)["choices"][0]["message"]["content"]
+
+
+def outputs_of(job: BulkJob) -> list[str]:
+    return list(job.items.order_by("index").values_list("output", flat=True))
+
+
+def test_summarise_200_documents(bulk_stack: BulkStack, bus_client: EngineClient) -> None:
+    docs = documents(200)
+    started = time.monotonic()
+    job = services.create_job(bulk_stack.model, TEMPLATE, docs, PARAMS, name="200 documents")
+    job = wait_finished(job)
+    elapsed = time.monotonic() - started
+    progress = services.progress(job)
+    print(f"200 documents in {elapsed:.1f}s: {progress.items_per_s:.2f} items/s, "
+          f"{progress.tokens_per_s:.1f} tokens/s")
+    assert job.status == BulkJob.Status.COMPLETED
+    assert (progress.total, progress.done, progress.failed) == (200, 200, 0)
+    assert progress.completion_tokens > 0 and progress.eta_s is None
+    stored = outputs_of(job)
+    assert all(stored)
+    for i in (0, 57, 123, 199):  # a sample through the REST API...
+        assert stored[i] == rest_output(bulk_stack, docs[i]), i
+    assert stored == bus_outputs(bus_client, bulk_stack.model, docs)  # ...and every one through the bus
+
+
+def test_worker_killed_mid_job(bulk_stack: BulkStack, bus_client: EngineClient) -> None:
+    docs = documents(60, seed=1)
+    too_long = {"document": "word " * 3000}  # beyond the engine's 512-token context
+    job = services.create_job(bulk_stack.model, TEMPLATE, [*docs, too_long, {"title": "no document field"}],
+                              PARAMS, name="worker killed")
+    wait_until(lambda: job.items.filter(status=BulkItem.Status.DONE).count() >= 10, 240, "10 items done")
+    bulk_stack.kill_worker()
+    assert job.items.filter(status=BulkItem.Status.PENDING).exists()
+    assert BulkJob.objects.get(pk=job.pk).status == BulkJob.Status.RUNNING
+    bulk_stack.start_worker()
+    job = wait_finished(job)
+    assert job.status == BulkJob.Status.COMPLETED
+    items = list(job.items.order_by("index"))
+    assert [i.index for i in items] == list(range(62))
+    assert all(i.status == BulkItem.Status.DONE for i in items[:60])
+    assert items[60].status == items[61].status == BulkItem.Status.FAILED
+    assert items[60].error["status_code"] == 400 and "document" in items[61].error["message"]
+    assert any(i.attempts > 1 for i in items[:60]), "some items should have been taken over"
+    assert [i.output for i in items[:60]] == bus_outputs(bus_client, bulk_stack.model, docs)
+
+
+def test_engine_killed_mid_job(bulk_stack: BulkStack, bus_client: EngineClient) -> None:
+    docs = documents(60, seed=2)
+    job = services.create_job(bulk_stack.model, TEMPLATE, docs, PARAMS, name="engine killed")
+    wait_until(lambda: job.items.filter(status=BulkItem.Status.DONE).count() >= 10, 240, "10 items done")
+    bulk_stack.kill_engine()
+    done_before = job.items.filter(status=BulkItem.Status.DONE).count()
+    time.sleep(3)  # the worker notices the engine is gone and backs off
+    bulk_stack.start_engine()
+    job = wait_finished(job)
+    assert job.status == BulkJob.Status.COMPLETED
+    assert done_before < 60
+    assert job.items.filter(status=BulkItem.Status.DONE).count() == 60
+    assert outputs_of(job) == bus_outputs(bus_client, bulk_stack.model, docs)
+
+
+def test_cancel_aborts_in_flight_requests(bulk_stack: BulkStack, bus_client: EngineClient) -> None:
+    job = services.create_job(bulk_stack.model, TEMPLATE, documents(80, seed=3),
+                              {"temperature": 0.0, "max_tokens": 64}, name="cancelled")
+    wait_until(lambda: job.items.filter(status=BulkItem.Status.DONE).exists(), 240, "an item done")
+    assert services.cancel_job(job)
+    job = wait_finished(job, timeout=60)
+    assert job.status == BulkJob.Status.CANCELLED and job.cancelled_at is not None
+    progress = services.progress(job)
+    assert progress.pending > 0
+    assert not services.cancel_job(job)
+
+    def engine_idle() -> bool:
+        (info,) = [m for m in bus_client.list_models() if m.name == bulk_stack.model]
+        return all(r.data.get("inflight") == 0 for r in info.replicas)
+
+    wait_until(engine_idle, 20, "the engine to drop the job's requests")
+    time.sleep(2)
+    assert services.progress(job).done == progress.done  # nothing ran after the cancel
