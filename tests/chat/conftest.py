@@ -20,8 +20,10 @@ django.setup()
 from inference_engine.bus.redis_server import RedisServer  # noqa: E402
 from inference_engine.bus.server import EngineServer, ServeSettings  # noqa: E402
 from tests.bus.fake_engine import FakeEngine  # noqa: E402
+from tests.web.stack import Stack  # noqa: E402
 
 FAKE_MODEL = "fake"
+ADMIN = ("admin", "chat-test-password")
 
 
 @pytest.fixture(scope="session")
@@ -57,3 +59,15 @@ def fake_engine(redis_server: RedisServer, settings) -> Iterator[FakeEngine]:
     server = FakeServer(redis_server.url, prefix, step_delay=0.02)
     yield server.engine
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def stack() -> Iterator[Stack]:
+    """The real thing: redis-server, an engine process with the bundled model, daphne; and a login."""
+    stack = Stack().start()
+    try:
+        stack.manage("shell", "-c", "from django.contrib.auth.models import User; "
+                     f"User.objects.create_superuser({ADMIN[0]!r}, '', {ADMIN[1]!r})")
+        yield stack
+    finally:
+        stack.stop()

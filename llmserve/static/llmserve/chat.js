@@ -41,16 +41,18 @@
   }
 
   function renderMarkdown(el, text) {
-    // Fenced code blocks become <pre><code>; a fence still open while streaming runs to the end.
+    // Fenced code blocks (``` at the start of a line) become <pre><code>; a fence still open while
+    // streaming runs to the end.
     el.replaceChildren();
-    const fence = /```([\w+#.-]*)[^\n]*\n?([\s\S]*?)(?:```|$)/g;
+    const fence = /(?:^|\n)```([^\n`]*)\n([\s\S]*?)(?:\n```[^\n]*|$)/g;
     let last = 0;
     for (const match of text.matchAll(fence)) {
       appendInline(el, text.slice(last, match.index));
       const pre = document.createElement("pre");
-      if (match[1]) pre.dataset.lang = match[1];
+      const lang = match[1].trim().split(/\s/)[0];
+      if (lang) pre.dataset.lang = lang;
       const code = document.createElement("code");
-      code.textContent = match[2].replace(/\n$/, "");
+      code.textContent = match[2];
       pre.append(code);
       el.append(pre);
       last = match.index + match[0].length;
