@@ -9,8 +9,9 @@ import signal
 import sqlite3
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import django
 import pytest
@@ -69,8 +70,8 @@ class BulkStack(Stack):
 
     def start_engine(self) -> None:
         assert self.redis is not None
-        self.engine = self._spawn("engine2", "-m", "inference_engine", "serve", "--served-model-name", self.model,
-                                  "--redis-url", self.redis.url, *self.engine_flags)
+        self.engine = self._spawn("engine2", "-m", "inference_engine", "serve", "--served-model-name",
+                                  self.model, "--redis-url", self.redis.url, *self.engine_flags)
 
     def stop(self) -> None:
         if self.worker is not None and self.worker.poll() is None:
@@ -107,7 +108,7 @@ def bus_client(bulk_stack: BulkStack) -> Iterator[EngineClient]:
     client.close()
 
 
-def wait_until(condition, timeout: float, what: str, interval: float = 0.5):  # noqa: ANN001, ANN201
+def wait_until(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.5) -> Any:
     deadline = time.monotonic() + timeout
     while True:
         value = condition()

@@ -1,4 +1,5 @@
-"""Bulk jobs end to end: real Redis, engine, Celery worker and SQLite file; workers and engines killed mid-job."""
+"""Bulk jobs end to end: real Redis, engine, Celery worker and SQLite file; a worker and an engine killed
+mid-job; cancel."""
 
 from __future__ import annotations
 
@@ -22,8 +23,9 @@ _TOPICS = ["rivers", "bread", "comets", "bees", "trains", "glaciers", "violins",
 
 def documents(count: int, seed: int = 0) -> list[dict[str, str]]:
     """Short, distinct documents (a few dozen tokens each)."""
-    return [{"document": f"Report {seed}-{i}. This note is about {_TOPICS[i % 10]} and {_TOPICS[(i * 7 + 3) % 10]}"
-                         f". It was written on day {i % 28 + 1} and lists {i % 9 + 2} facts."}
+    return [{"document": f"Report {seed}-{i}. This note is about {_TOPICS[i % 10]} and "
+                         f"{_TOPICS[(i * 7 + 3) % 10]}. It was written on day {i % 28 + 1} and lists "
+                         f"{i % 9 + 2} facts."}
             for i in range(count)]
 
 
@@ -45,7 +47,8 @@ def bus_outputs(client: EngineClient, model: str, docs: list[dict[str, str]]) ->
 
 
 def rest_output(stack: BulkStack, doc: dict[str, str]) -> str:
-    body = {"model": stack.model, "messages": [{"role": "user", "content": TEMPLATE.format_map(doc)}], **PARAMS}
+    messages = [{"role": "user", "content": TEMPLATE.format_map(doc)}]
+    body = {"model": stack.model, "messages": messages, **PARAMS}
     request = urllib.request.Request(stack.base_url + "/v1/chat/completions", json.dumps(body).encode(),
                                      {"Content-Type": "application/json",
                                       "Authorization": f"Bearer {stack.api_key}"})

@@ -1,0 +1,132 @@
+"""The OpenAI Batch API through the official openai client against daphne, and the admin's upload form."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import openai
+import pytest
+from django.contrib.auth.models import User
+from django.test import Client
+from django.urls import reverse
+
+from llmserve.bulk import batches
+from llmserve.bulk.models import BulkJob
+
+from .conftest import PARAMS, TEMPLATE, BulkStack, wait_until
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def batch_file(model: str, count: int, max_tokens: int = 8) -> bytes:
+    lines = [{"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": model, "temperature": 0, "max_tokens": max_tokens,
+                       "messages": [{"role": "user", "content": f"Name a colour, number {i}."}]}}
+             for i in range(count)]
+    lines.append({"custom_id": "too-long", "method": "POST", "url": "/v1/chat/completions",
+                  "body": {"model": model, "max_tokens": 4,
+                           "messages": [{"role": "user", "content": "x " * 3000}]}})
+    return "\n".join(json.dumps(line) for line in lines).encode()
+
+
+@pytest.fixture
+def client(bulk_stack: BulkStack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=bulk_stack.base_url + "/v1", api_key=bulk_stack.api_key, max_retries=0)
+
+
+def test_openai_batch_end_to_end(bulk_stack: BulkStack, client: openai.OpenAI) -> None:
+    uploaded = client.files.create(file=("requests.jsonl", io.BytesIO(batch_file(bulk_stack.model, 6))),
+                                   purpose="batch")
+    assert uploaded.purpose == "batch" and uploaded.filename == "requests.jsonl"
+    assert client.files.retrieve(uploaded.id).bytes == uploaded.bytes
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h", metadata={"purpose": "test"})
+    assert batch.request_counts.total == 7 and batch.metadata == {"purpose": "test"}
+    batch = wait_until(lambda: (b := client.batches.retrieve(batch.id)).status == "completed" and b, 180,
+                       "the batch to complete")
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (6, 1)
+    assert batch.completed_at and batch.in_progress_at
+    assert batch.id in [b.id for b in client.batches.list(limit=10).data]
+
+    lines = [json.loads(line) for line in client.files.content(batch.output_file_id).text.splitlines()]
+    assert sorted(line["custom_id"] for line in lines) == [f"req-{i}" for i in range(6)]
+    for line in lines[:2]:  # each body is what the REST endpoint answers for the same request
+        i = int(line["custom_id"].split("-")[1])
+        assert line["response"]["status_code"] == 200
+        body = line["response"]["body"]
+        assert body["object"] == "chat.completion"
+        direct = client.chat.completions.create(
+            model=bulk_stack.model, temperature=0, max_tokens=8,
+            messages=[{"role": "user", "content": f"Name a colour, number {i}."}])
+        assert body["choices"][0]["message"]["content"] == direct.choices[0].message.content
+        assert body["usage"]["completion_tokens"] == direct.usage.completion_tokens
+    (error,) = [json.loads(line) for line in client.files.content(batch.error_file_id).text.splitlines()]
+    assert error["custom_id"] == "too-long" and error["response"]["status_code"] == 400
+    assert error["response"]["body"]["error"]["message"]
+
+
+def test_openai_batch_cancel(bulk_stack: BulkStack, client: openai.OpenAI) -> None:
+    uploaded = client.files.create(file=("many.jsonl", io.BytesIO(batch_file(bulk_stack.model, 60, 48))),
+                                   purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    wait_until(lambda: client.batches.retrieve(batch.id).request_counts.completed > 0, 180, "a request done")
+    cancelled = client.batches.cancel(batch.id)
+    assert cancelled.status in ("cancelling", "cancelled")
+    final = wait_until(lambda: (b := client.batches.retrieve(batch.id)).status == "cancelled" and b, 60,
+                       "the batch to be cancelled")
+    assert 0 < final.request_counts.completed < 60 and final.cancelled_at
+    done = client.files.content(final.output_file_id).text.splitlines()
+    assert len(done) == final.request_counts.completed
+
+
+def test_batch_api_refusals(bulk_stack: BulkStack, client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError):
+        client.batches.retrieve("batch_missing")
+    content = b'{"custom_id": "a", "url": "/v1/embeddings"}\n'
+    bad = client.files.create(file=("bad.jsonl", io.BytesIO(content)), purpose="batch")
+    with pytest.raises(openai.BadRequestError, match="Line 1"):
+        client.batches.create(input_file_id=bad.id, endpoint="/v1/chat/completions", completion_window="24h")
+    other = openai.OpenAI(base_url=bulk_stack.base_url + "/v1", api_key="sk-llm-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        other.batches.list()
+
+
+def test_parse_input_names_the_bad_line() -> None:
+    ok = (b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", '
+          b'"body": {"model": "m", "prompt": "x"}}')
+    parsed = batches.parse_input(ok + b"\n\n", "/v1/completions")
+    assert parsed == ("m", ["a"], [{"model": "m", "prompt": "x"}])
+    for content, message in ((b"nope", "Line 1"), (ok + b"\n" + ok, "duplicate"),
+                             (ok.replace(b'"m"', b'"n"') + b"\n" + ok.replace(b'"a"', b'"b"'), "same model"),
+                             (b"", "no requests")):
+        with pytest.raises(batches.BadRequest, match=message):
+            batches.parse_input(content, "/v1/completions")
+
+
+def test_admin_upload_progress_and_cancel(bulk_stack: BulkStack) -> None:
+    admin, _ = User.objects.get_or_create(username="bulk-admin", defaults={"is_staff": True,
+                                                                          "is_superuser": True})
+    browser = Client()
+    browser.force_login(admin)
+    rows = "document\n" + "".join(f"Note {i}: the harbour opened at dawn.\n" for i in range(40))
+    upload = io.BytesIO(rows.encode())
+    upload.name = "docs.csv"
+    response = browser.post(reverse("admin:llmserve_bulkjob_add"), {
+        "name": "admin upload", "model": bulk_stack.model, "kind": "chat", "template": TEMPLATE,
+        "params": json.dumps({**PARAMS, "max_tokens": 32}), "priority": "10", "file": upload})
+    assert response.status_code == 302, response.content.decode()[:2000]
+    job = BulkJob.objects.get(name="admin upload")
+    assert job.items.count() == 40
+    assert job.items.first().input == {"document": "Note 0: the harbour opened at dawn."}
+    wait_until(lambda: job.items.filter(status="done").exists(), 120, "an item done")
+    page = browser.get(reverse("admin:llmserve_bulkjob_change", args=[job.pk])).content.decode()
+    assert "/ 0 / 40" in page and "Tokens/s" in page and "ETA" in page
+    listing = browser.get(reverse("admin:llmserve_bulkjob_changelist")).content.decode()
+    assert "admin upload" in listing
+    browser.post(reverse("admin:llmserve_bulkjob_changelist"),
+                 {"action": "cancel_jobs", "_selected_action": [job.pk]})
+    wait_until(lambda: BulkJob.objects.get(pk=job.pk).status == "cancelled", 60, "the job to be cancelled")
+    items = browser.get(reverse("admin:llmserve_bulkitem_changelist") + f"?job__id__exact={job.pk}")
+    assert items.status_code == 200 and "40 bulk items" in items.content.decode()
