@@ -29,8 +29,8 @@ Keys (all optional; defaults in `DEFAULTS`):
 ``CHAT_LOGIN_REQUIRED``  ``True`` (default): the WebSocket chat serves logged-in users and API keys only.
                          ``False``: anonymous visitors may chat too, rate-limited per client address.
 ``BULK_PRIORITY``        Bus priority of bulk job requests (lower runs first; interactive requests use 0).
-``BULK_CONCURRENCY``     Requests one bulk job task keeps in flight. Keep it below the engines'
-                         ``max_num_seqs`` so that interactive requests always find a free slot.
+``BULK_CONCURRENCY``     Requests one bulk job keeps in flight, all its tasks together. Keep it below the
+                         engines' ``max_num_seqs`` so that interactive requests always find a free slot.
 ``BULK_LEASE_SECONDS``   How long a bulk item stays claimed by a task without a renewal; after that (a killed
                          worker) another task takes it over.
 ``BULK_SLICE_SECONDS``   How long one bulk task claims new items before handing over to a fresh task; keep

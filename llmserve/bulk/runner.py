@@ -118,7 +118,12 @@ class JobRunner:
         return Q(lease_until__isnull=True) | Q(lease_until__lt=timezone.now())
 
     def _claim(self, pool: ThreadPoolExecutor) -> None:
-        free = self.concurrency - len(self.flights)
+        # BULK_CONCURRENCY bounds the whole job, not this task: while a previous slice drains, or a
+        # redelivered task runs beside a live one, their leased items count too, so interactive traffic
+        # keeps its slots.
+        leased = self.job.items.filter(status=BulkItem.Status.PENDING,
+                                       lease_until__gte=timezone.now()).count()
+        free = self.concurrency - max(leased, len(self.flights))
         if free <= 0:
             return
         pending = BulkItem.objects.filter(self._claimable(), job_id=self.job_id,
