@@ -182,7 +182,17 @@ class EngineServer:
             except redis.ResponseError as exc:
                 if "NOGROUP" not in str(exc):
                     raise
-                self._connect()  # Redis lost its data (restart without persistence): recreate our groups
+                # Redis lost its data (restart without persistence) and redis-py reconnected by itself, so no
+                # ConnectionError told us: the in-flight requests lost their entries and part of their output.
+                # Fail them as a lost connection would (their clients may still be reading), then recreate our
+                # groups (`_connect` flushes the errors).
+                if self._live:
+                    log.warning("Redis lost its data; failing %d in-flight request(s)", len(self._live))
+                    self.engine.abort_request(list(self._live))
+                    for rid in list(self._live):
+                        self._fail(rid, EngineUnavailableError(
+                            "Redis lost its data (restarted?) while this request ran; it was not finished."))
+                self._connect()
                 return [], []
         aborts = []
         for entry_id, fields in abort_reply[0][1] if abort_reply else ():
@@ -238,7 +248,9 @@ class EngineServer:
     def _answer_utility(self, entry_id: str, message: dict[str, Any]) -> None:
         try:
             if message["type"] == P.DETOKENIZE:
-                answer = {"type": P.RESULT, "text": self.engine.tokenizer.decode(message["token_ids"])}
+                # Special tokens kept, as vLLM's /detokenize does: chat-templated ids round-trip.
+                text = self.engine.tokenizer.decode(message["token_ids"], skip_special_tokens=False)
+                answer = {"type": P.RESULT, "text": text}
             else:
                 prompt = self._prompt(message)
                 ids = prompt if isinstance(prompt, list) else self.engine.tokenizer.encode(prompt)

@@ -1,4 +1,5 @@
-"""The client against a real redis-server, with no engine or with a fake engine served in a thread."""
+"""The client against a real redis-server, with no engine or with the session's real engine (SmolLM2-135M)
+served in a thread."""
 
 import asyncio
 import json
@@ -16,7 +17,7 @@ from inference_engine.errors import (
 )
 from inference_engine.sampling_params import SamplingParams
 
-from .fake_engine import FakeEngine
+from .conftest import MODEL, assert_idle, generate_offline, wait_idle
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -70,67 +71,95 @@ def test_invalid_params_fail_in_the_client(client):
         client.generate("m", prompt="a", messages=[{"role": "user", "content": "b"}])
 
 
-def test_streaming_through_a_fake_engine(client, fake_server):
+def test_streaming_equals_offline_generation(client, engine, serve):
     prompt = "hello"
-    stream = client.generate("fake", prompt, SamplingParams(n=2, max_tokens=5))
-    assert stream.prompt_tokens == len(prompt)
+    params = SamplingParams(n=2, temperature=0.8, seed=7, max_tokens=5, ignore_eos=True)
+    expected = generate_offline(engine, prompt, params)
+    serve()
+    stream = client.generate(MODEL, prompt, params)
+    assert stream.prompt_tokens == len(engine.tokenizer.encode(prompt)) == len(expected.prompt_token_ids)
     deltas = list(stream)
     assert deltas[-1].finished and deltas[-1].usage.completion_tokens == 10
-    ids = [ord(c) for c in prompt]
-    for index in (0, 1):
+    assert all(not d.finished for d in deltas[:-1])
+    for index, want in enumerate(expected.outputs):
         text = "".join(o.text for d in deltas for o in d.outputs if o.index == index)
-        assert text == FakeEngine.expected_text(ids, index, 5)
+        token_ids = [t for d in deltas for o in d.outputs if o.index == index for t in o.token_ids]
+        assert (text, token_ids) == (want.text, want.token_ids)
+    assert expected.outputs[0].token_ids != expected.outputs[1].token_ids  # two samples, not one twice
     assert [o.finish_reason for o in deltas[-1].outputs] == ["length", "length"]
 
 
-def test_chat_tokenize_detokenize(client, fake_server):
+def test_chat_tokenize_detokenize(client, engine, serve):
     messages = [{"role": "user", "content": "hi"}]
-    result = client.generate("fake", messages=messages, params={"max_tokens": 3}).result()
-    rendered = "<user>hi<assistant>"
-    assert result.prompt_tokens == len(rendered)
-    assert result.outputs[0].text == FakeEngine.expected_text([ord(c) for c in rendered], 0, 3)
-    tokens = client.tokenize("fake", messages=messages)
-    assert tokens.token_ids == [ord(c) for c in rendered] and tokens.max_model_len == 64
-    assert client.detokenize("fake", tokens.token_ids) == rendered
+    rendered = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    rendered_ids = engine.tokenizer.encode(rendered)
+    expected = generate_offline(engine, rendered, {"max_tokens": 3, "temperature": 0})
+    serve()
+    result = client.generate(MODEL, messages=messages, params={"max_tokens": 3, "temperature": 0}).result()
+    assert result.prompt_tokens == len(rendered_ids)
+    assert result.outputs[0].text == expected.outputs[0].text
+    assert result.outputs[0].token_ids == expected.outputs[0].token_ids
+    tokens = client.tokenize(MODEL, messages=messages)
+    assert tokens.token_ids == rendered_ids and tokens.max_model_len == engine.max_model_len
+    assert client.detokenize(MODEL, tokens.token_ids) == rendered  # special tokens included, as in vLLM
+    text = "Tokenizers split words like unbelievable."
+    assert client.tokenize(MODEL, text).token_ids == engine.tokenizer.encode(text)
+    assert client.detokenize(MODEL, client.tokenize(MODEL, text).token_ids) == text
 
 
-def test_engine_errors_arrive_before_any_delta(client, fake_server):
-    with pytest.raises(InvalidRequestError, match="max_model_len"):
-        client.generate("fake", "x" * 100)
-    fake_server.engine.config.max_pending_requests = 0
-    with pytest.raises(EngineOverloadedError):
-        client.generate("fake", "x")
+def test_engine_errors_arrive_before_any_delta(client, engine, serve):
+    serve()
+    too_long = "hello " * engine.max_model_len
+    assert len(engine.tokenizer.encode(too_long)) > engine.max_model_len
+    with pytest.raises(InvalidRequestError, match="maximum context length"):
+        client.generate(MODEL, too_long)
+    with pytest.raises(InvalidRequestError, match="maximum context length"):
+        client.generate(MODEL, "hi", {"max_tokens": engine.max_model_len})
+    limit, engine.config.max_pending_requests = engine.config.max_pending_requests, 0
+    try:
+        with pytest.raises(EngineOverloadedError):
+            client.generate(MODEL, "x")
+    finally:
+        engine.config.max_pending_requests = limit
+    result = client.generate(MODEL, "x", {"max_tokens": 2, "ignore_eos": True}).result()
+    assert result.usage.completion_tokens == 2
 
 
-def test_leaving_early_aborts_in_the_engine(client, fake_server):
-    fake_server.engine.step_delay = 0.02
-    for delta in client.generate("fake", "abc", {"max_tokens": 200}):
+def test_leaving_early_aborts_in_the_engine(client, engine, serve):
+    serve()
+    before = engine.generation_tokens_total
+    for delta in client.generate(MODEL, "abc", {"max_tokens": 200, "ignore_eos": True}):
         assert delta.outputs
         break
-    deadline = time.monotonic() + 2
-    while fake_server.engine.requests and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert not fake_server.engine.requests
-    assert client.generate("fake", "abc", {"max_tokens": 2}).result().outputs[0].finish_reason == "length"
+    wait_idle(engine)  # aborted, and its KV blocks are free again
+    assert engine.generation_tokens_total - before < 200  # cut short, not run to the end
+    result = client.generate(MODEL, "abc", {"max_tokens": 2, "ignore_eos": True}).result()
+    assert result.outputs[0].finish_reason == "length"
 
 
-def test_list_models(client, fake_server):
+def test_list_models(client, engine, serve):
+    serve()
     [model] = client.list_models()
-    assert model.name == "fake" and model.max_model_len == 64
-    assert model.replicas[0].num_blocks == 100
+    assert model.name == MODEL and model.max_model_len == engine.max_model_len == 512
+    [replica] = model.replicas
+    assert replica.num_blocks == replica.num_free_blocks == engine.block_manager.num_blocks
 
 
-def test_async_client_streams_and_cancels(redis_server, prefix, fake_server):
+def test_async_client_streams_and_cancels(redis_server, prefix, engine, serve):
+    params = {"max_tokens": 4, "temperature": 0}
+    expected = generate_offline(engine, "hey", params).outputs[0].text
+    serve()
+
     async def main():
         client = AsyncEngineClient(redis_server.url, prefix=prefix, ack_timeout=5, stream_timeout=5)
         try:
-            stream = await client.generate("fake", "hey", {"max_tokens": 4})
+            stream = await client.generate(MODEL, "hey", params)
             text = "".join([o.text async for d in stream for o in d.outputs])
-            assert text == FakeEngine.expected_text([ord(c) for c in "hey"], 0, 4)
-            assert (await client.tokenize("fake", "ab")).token_ids == [97, 98]
+            assert text == expected
+            assert (await client.tokenize(MODEL, "ab")).token_ids == engine.tokenizer.encode("ab")
 
-            fake_server.engine.step_delay = 0.02
-            stream = await client.generate("fake", "slow", {"max_tokens": 500})
+            before = engine.generation_tokens_total
+            stream = await client.generate(MODEL, "slow", {"max_tokens": 500, "ignore_eos": True})
 
             async def consume():
                 async for _ in stream:
@@ -141,11 +170,13 @@ def test_async_client_streams_and_cancels(redis_server, prefix, fake_server):
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-            for _ in range(100):
-                if not fake_server.engine.requests:
+            for _ in range(250):
+                if not engine.has_unfinished_requests():
                     break
                 await asyncio.sleep(0.02)
-            assert not fake_server.engine.requests
+            await asyncio.sleep(0.05)
+            assert_idle(engine)
+            assert engine.generation_tokens_total - before < 500
         finally:
             await client.close()
 
