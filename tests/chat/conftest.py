@@ -1,13 +1,14 @@
-"""Fixtures of the chat tests: Django settings, a private redis-server, and a fake engine (a thread of the
-test process) for the in-process consumer tests. The real stack (daphne, engine process) is
+"""Fixtures of the chat tests: Django settings, a private redis-server, and for the in-process consumer tests
+the session's real `LLMEngine` (tests/bus/conftest.py's) served on a bus namespace of its own by an
+`EngineServer` in a thread of the test process. The whole real stack (daphne, engine process) is
 `tests/web/stack.py`'s."""
 
 from __future__ import annotations
 
 import os
-import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import django
 import pytest
@@ -18,12 +19,18 @@ os.environ.setdefault("DJANGO_SECRET_KEY", "test-only-secret")
 django.setup()
 
 from inference_engine.bus.redis_server import RedisServer  # noqa: E402
-from inference_engine.bus.server import EngineServer, ServeSettings  # noqa: E402
-from tests.bus.fake_engine import FakeEngine  # noqa: E402
+from tests.bus import conftest as bus_fixtures  # noqa: E402
+from tests.bus.conftest import ThreadedServer  # noqa: E402
 from tests.web.stack import Stack  # noqa: E402
 
-FAKE_MODEL = "fake"
+if TYPE_CHECKING:
+    from inference_engine.llm_engine import LLMEngine
+
 ADMIN = ("admin", "chat-test-password")
+
+# The session's real engine (SmolLM2-135M on CPU, float32, one torch thread, 512-token context, small KV
+# budget): tests/bus's fixture, made a fixture of these tests too.
+engine = bus_fixtures.engine
 
 
 @pytest.fixture(scope="session")
@@ -32,33 +39,33 @@ def redis_server() -> Iterator[RedisServer]:
         yield server
 
 
-class FakeServer:
-    """A bus engine server over `FakeEngine` (a letter per step, `step_delay` seconds a step) in a thread."""
-
-    def __init__(self, url: str, prefix: str, step_delay: float) -> None:
-        self.engine = FakeEngine(step_delay=step_delay)
-        settings = ServeSettings(prefix=prefix, heartbeat_interval=0.2, heartbeat_ttl=1.0, claim_min_idle=0.2,
-                                 idle_block=0.05, shutdown_grace=2.0)
-        self.server = EngineServer(self.engine, url, FAKE_MODEL, settings)
-        self.server._connect()  # registered before the thread runs: clients never race the first heartbeat
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-
-    def stop(self) -> None:
-        self.server.stop()
-        self.thread.join(10)
-
-
 @pytest.fixture
-def fake_engine(redis_server: RedisServer, settings) -> Iterator[FakeEngine]:
-    """A fake engine on its own bus namespace, and the LLMSERVE settings pointing the app at it. Slow enough
-    (20 ms a token) that a test can act while an answer streams."""
+def serve(engine: LLMEngine, redis_server: RedisServer, settings) -> Iterator[Callable[[], ThreadedServer]]:
+    """Starts a bus server over the shared engine on a fresh namespace and points the app's LLMSERVE settings
+    at it. Call it after any `generate_offline` (the engine must not be stepped by two threads); the server
+    is stopped at teardown, which also checks that it left the engine empty with every KV block free."""
     prefix = f"t{uuid.uuid4().hex[:8]}"
     settings.LLMSERVE = {"REDIS_URL": redis_server.url, "BUS_PREFIX": prefix, "ACK_TIMEOUT": 5.0,
                          "STREAM_TIMEOUT": 5.0}
-    server = FakeServer(redis_server.url, prefix, step_delay=0.02)
-    yield server.engine
-    server.stop()
+    servers: list[ThreadedServer] = []
+
+    def start() -> ThreadedServer:
+        assert not servers, "one server per test"
+        server = ThreadedServer(engine, redis_server.url, prefix)
+        server.server._connect()  # registered before the thread runs: clients never race the first heartbeat
+        servers.append(server.start())
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture
+def served(engine: LLMEngine, serve: Callable[[], ThreadedServer]) -> LLMEngine:
+    """The real engine, already served on the bus the app is configured for."""
+    serve()
+    return engine
 
 
 @pytest.fixture(scope="session")

@@ -1,10 +1,10 @@
 """The chat consumer in process, through the host project's whole ASGI stack (origin check, sessions,
-routing), with Channels' WebsocketCommunicator and a fake engine on a real Redis bus."""
+routing), with Channels' WebsocketCommunicator and the real engine (served in a thread) on a real Redis
+bus."""
 
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 import pytest
@@ -13,10 +13,13 @@ from django.test import Client
 
 from hostproject.asgi import application
 from llmserve.models import APIKey
-
-from .conftest import FAKE_MODEL
+from tests.bus.conftest import MODEL, generate_offline, wait_idle
 
 ORIGIN = (b"origin", b"http://127.0.0.1")
+MESSAGES = [{"role": "user", "content": "Hi"}]
+# Long enough (about 100 ms a token here) that the answer is still streaming whenever a test stops it or
+# leaves; the prompt (31 tokens) plus this fits the engine's 512-token context.
+LONG = 400
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(60)]
 
 
@@ -39,88 +42,103 @@ async def connected(cookie: bytes) -> WebsocketCommunicator:
     ok, subprotocol = await ws.connect()
     assert ok and subprotocol == "llmserve.chat"
     ready = await ws.receive_json_from(5)
-    assert ready["type"] == "ready" and [m["id"] for m in ready["models"]] == [FAKE_MODEL]
+    assert ready["type"] == "ready" and [m["id"] for m in ready["models"]] == [MODEL]
     return ws
 
 
+def greedy(max_tokens: int, ignore_eos: bool = True) -> dict[str, Any]:
+    return {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": ignore_eos}
+
+
 def chat(request_id: Any = 1, max_tokens: int = 8, **extra: Any) -> dict[str, Any]:
-    return {"type": "chat", "id": request_id, "model": FAKE_MODEL,
-            "messages": [{"role": "user", "content": "Hi"}], "params": {"max_tokens": max_tokens}, **extra}
+    """A greedy chat message that runs exactly `max_tokens` tokens (EOS ignored)."""
+    return {"type": "chat", "id": request_id, "model": MODEL, "messages": MESSAGES,
+            "params": greedy(max_tokens), **extra}
 
 
-async def until_idle(engine, timeout: float = 5.0) -> None:
-    """The engine holds no request any more (the fake engine's stand-in for "all KV blocks are free")."""
-    deadline = time.monotonic() + timeout
-    while engine.requests or engine.stats()["num_free_blocks"] != engine.stats()["num_blocks"]:
-        assert time.monotonic() < deadline, f"engine still holds {list(engine.requests)}"
-        await asyncio.sleep(0.02)
+async def until_idle(engine) -> None:
+    """The engine holds no request any more and every KV block is back in the free pool (within 5 s)."""
+    await asyncio.to_thread(wait_idle, engine)
 
 
 @pytest.mark.asyncio
-async def test_streams_an_answer_token_by_token(fake_engine, session_cookie) -> None:
+async def test_streams_an_answer_token_by_token(engine, serve, session_cookie) -> None:
+    # What the engine itself answers to the same greedy chat, EOS allowed: the socket must stream exactly it.
+    params = greedy(32, ignore_eos=False)
+    expected = generate_offline(engine, engine.tokenizer.apply_chat_template(MESSAGES), params).outputs[0]
+    assert expected.finish_reason == "stop" and 1 < len(expected.token_ids) < 32  # a natural end, not the cap
+    serve()
     ws = await connected(session_cookie)
-    await ws.send_json_to(chat("q1", max_tokens=8))
+    await ws.send_json_to({**chat("q1"), "params": params})
     start = await ws.receive_json_from(5)
-    assert start["type"] == "start" and start["id"] == "q1" and start["prompt_tokens"] > 0
+    assert start["type"] == "start" and start["id"] == "q1" and start["model"] == MODEL
+    prompt_tokens = len(engine.tokenizer.encode(engine.tokenizer.apply_chat_template(MESSAGES)))
+    assert start["prompt_tokens"] == prompt_tokens
     deltas, end = [], None
     while end is None:
         message = await ws.receive_json_from(5)
         if message["type"] == "delta":
+            assert message["id"] == "q1"
             deltas.append(message["text"])
         else:
             end = message
-    assert len(deltas) == 8  # one frame per token: the answer streams
-    prompt_ids = fake_engine.tokenizer.encode(fake_engine.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Hi"}]))
-    assert "".join(deltas) == fake_engine.expected_text(prompt_ids, 0, 8)
-    assert end["type"] == "end" and end["id"] == "q1" and end["finish_reason"] == "length"
-    assert end["usage"] == {"prompt_tokens": start["prompt_tokens"], "completion_tokens": 8,
-                            "total_tokens": start["prompt_tokens"] + 8}
+    assert "".join(deltas) == expected.text
+    # One frame per token, each carrying that token's text (the final EOS has none, so it sends no frame).
+    per_token = [engine.tokenizer.decode([token]) for token in expected.token_ids]
+    assert deltas == [text for text in per_token if text] and len(deltas) > 1
+    completion_tokens = len(expected.token_ids)
+    assert end["type"] == "end" and end["id"] == "q1" and end["finish_reason"] == "stop"
+    assert end["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                            "total_tokens": prompt_tokens + completion_tokens}
     assert 0 < end["ttft"] < 5 and end["tokens_per_s"] > 0
     await ws.disconnect()
 
 
 @pytest.mark.asyncio
-async def test_stop_mid_answer_aborts_and_the_socket_goes_on(fake_engine, session_cookie) -> None:
+async def test_stop_mid_answer_aborts_and_the_socket_goes_on(served, session_cookie) -> None:
     ws = await connected(session_cookie)
-    await ws.send_json_to(chat("long", max_tokens=500))
+    await ws.send_json_to(chat("long", max_tokens=LONG))
     assert (await ws.receive_json_from(5))["type"] == "start"
     assert (await ws.receive_json_from(5))["type"] == "delta"
-    assert fake_engine.requests  # it is running
+    assert served.has_unfinished_requests()  # it is running
     await ws.send_json_to({"type": "stop"})
     while (message := await ws.receive_json_from(5))["type"] == "delta":
         pass
     assert message["type"] == "end" and message["id"] == "long" and message["finish_reason"] == "abort"
-    assert 0 < message["usage"]["completion_tokens"] < 500
-    await until_idle(fake_engine)
+    assert 0 < message["usage"]["completion_tokens"] < LONG
+    await until_idle(served)  # aborted in the engine: no request left, every KV block free
     await ws.send_json_to({"type": "stop"})  # nothing runs: harmless, no answer
     await ws.send_json_to(chat("next", max_tokens=3))
-    kinds = [(await ws.receive_json_from(5))["type"] for _ in range(5)]
-    assert kinds == ["start", "delta", "delta", "delta", "end"]
+    messages = [await ws.receive_json_from(5) for _ in range(5)]
+    assert [m["type"] for m in messages] == ["start", "delta", "delta", "delta", "end"]
+    assert all(m["id"] == "next" for m in messages)
+    assert messages[-1]["finish_reason"] == "length" and messages[-1]["usage"]["completion_tokens"] == 3
     await ws.disconnect()
 
 
 @pytest.mark.asyncio
-async def test_disconnect_mid_answer_aborts(fake_engine, session_cookie) -> None:
+async def test_disconnect_mid_answer_aborts(served, session_cookie) -> None:
     ws = await connected(session_cookie)
-    await ws.send_json_to(chat(max_tokens=500))
+    await ws.send_json_to(chat(max_tokens=LONG))
     assert (await ws.receive_json_from(5))["type"] == "start"
     assert (await ws.receive_json_from(5))["type"] == "delta"
+    assert served.has_unfinished_requests()  # it is running
     await ws.disconnect()
-    await until_idle(fake_engine)
+    await until_idle(served)  # long before the LONG tokens could have run out
 
 
 @pytest.mark.asyncio
-async def test_one_answer_at_a_time(fake_engine, session_cookie) -> None:
+async def test_one_answer_at_a_time(served, session_cookie) -> None:
     ws = await connected(session_cookie)
-    await ws.send_json_to(chat(1, max_tokens=500))
+    await ws.send_json_to(chat(1, max_tokens=LONG))
     assert (await ws.receive_json_from(5))["type"] == "start"
     await ws.send_json_to(chat(2))
     while (message := await ws.receive_json_from(5))["type"] == "delta":
-        pass
+        assert message["id"] == 1
     assert message["type"] == "error" and message["code"] == "busy" and message["id"] == 2
+    assert served.has_unfinished_requests()  # the first answer goes on
     await ws.disconnect()
-    await until_idle(fake_engine)
+    await until_idle(served)
 
 
 @pytest.mark.parametrize(("frame", "code", "param"), [
@@ -138,7 +156,7 @@ async def test_one_answer_at_a_time(fake_engine, session_cookie) -> None:
     (chat(params=[1]), "invalid_type", "params"),
 ])
 @pytest.mark.asyncio
-async def test_bad_input_gets_an_error_and_the_socket_stays_usable(fake_engine, session_cookie, frame, code,
+async def test_bad_input_gets_an_error_and_the_socket_stays_usable(served, session_cookie, frame, code,
                                                                    param) -> None:
     ws = await connected(session_cookie)
     if isinstance(frame, dict):
@@ -151,12 +169,12 @@ async def test_bad_input_gets_an_error_and_the_socket_stays_usable(fake_engine, 
     await ws.send_to(bytes_data=b"\x00")
     assert (await ws.receive_json_from(5))["code"] == "invalid_message"
     await ws.send_json_to({"type": "models"})
-    assert (await ws.receive_json_from(5))["models"][0]["id"] == FAKE_MODEL
+    assert (await ws.receive_json_from(5))["models"][0]["id"] == MODEL
     await ws.disconnect()
 
 
 @pytest.mark.asyncio
-async def test_login_is_required_by_default(fake_engine, settings) -> None:
+async def test_login_is_required_by_default(served, settings) -> None:
     ws = communicator()
     assert (await ws.connect())[0]
     error = await ws.receive_json_from(5)
@@ -171,7 +189,7 @@ async def test_login_is_required_by_default(fake_engine, settings) -> None:
 
 
 @pytest.mark.asyncio
-async def test_api_key_as_subprotocol_or_header_and_its_rate_limit(fake_engine) -> None:
+async def test_api_key_as_subprotocol_or_header_and_its_rate_limit(served) -> None:
     from asgiref.sync import sync_to_async
 
     key, raw = await sync_to_async(APIKey.objects.create_key)("chat", rate_limit=1)
@@ -201,7 +219,7 @@ async def test_api_key_as_subprotocol_or_header_and_its_rate_limit(fake_engine) 
 
 
 @pytest.mark.asyncio
-async def test_other_sites_cannot_open_the_socket(fake_engine, session_cookie) -> None:
+async def test_other_sites_cannot_open_the_socket(served, session_cookie) -> None:
     ws = WebsocketCommunicator(application, "/ws/chat/", headers=[(b"origin", b"https://evil.example"),
                                                                   (b"cookie", session_cookie)])
     ok, _ = await ws.connect()
