@@ -44,7 +44,9 @@ class ClientSettings:
     ack_timeout: float = 60.0  # longest wait for the engine to pick a request up (it may be queued)
     stream_timeout: float = 60.0  # longest wait between two entries of a running request
     poll_interval: float = 1.0  # how often a waiting client re-checks that a replica is alive
-    max_queue: int = 1024  # backlog (queued + in flight) per model beyond which submit raises overloaded
+    # Backlog (queued + in flight) per model beyond which submit raises overloaded: the interactive stream's
+    # for interactive requests, both streams' together for low-priority ones (see `protocol`).
+    max_queue: int = 1024
     id_ttl: int = 3600  # seconds a request id stays reserved
 
 
@@ -153,6 +155,16 @@ class _Waiter:
     def dead(self) -> EngineUnavailableError:
         return EngineUnavailableError(
             f"no live engine replica for model {self.model!r} (request {self.request_id}).")
+
+
+def _request_streams(keys: P.Keys, model: str, priority: int) -> tuple[str, tuple[str, ...]]:
+    """The stream a generation of `priority` goes to, and the streams whose backlog bounds its admission:
+    interactive requests count only the interactive stream (a bulk backlog never refuses them), low-priority
+    ones count both (bulk never grows the model's total backlog past `max_queue`). See `protocol`."""
+    stream = keys.request_stream(model, priority)
+    if stream == keys.requests(model):
+        return stream, (stream,)
+    return stream, (keys.requests(model), stream)
 
 
 def _overloaded(model: str, backlog: int) -> EngineOverloadedError:
@@ -270,7 +282,8 @@ class EngineClient:
         message = _request_message(P.GENERATE, request_id, prompt, messages, params=_params(params).to_dict(),
                                    priority=int(priority), arrival_time=time.time())
         stream = GenerationStream(self, model, request_id)
-        self._submit(model, self.keys.requests(model), message, backlog_limit=self.settings.max_queue)
+        self._submit(model, *_request_streams(self.keys, model, int(priority)), message,
+                     backlog_limit=self.settings.max_queue)
         stream._wait_ack()
         return stream
 
@@ -346,14 +359,20 @@ class EngineClient:
                 raise EngineUnavailableError(f"timed out after {timeout:g}s waiting for {what}.")
             time.sleep(0.1)
 
-    def _submit(self, model: str, stream_key: str, message: dict[str, Any],
+    def _submit(self, model: str, stream_key: str, counted: tuple[str, ...], message: dict[str, Any],
                 backlog_limit: int | None) -> None:
+        """Queue `message` on `stream_key`, refused as overloaded when the `counted` streams' backlog (their
+        XLEN together) has reached `backlog_limit`."""
         request_id = message["id"]
         try:
             if not self.live_replicas(model):
                 raise ModelNotFoundError(f"model {model!r} is not served by any live engine.")
-            if backlog_limit is not None and self.redis.xlen(stream_key) >= backlog_limit:
-                raise _overloaded(model, backlog_limit)
+            if backlog_limit is not None:
+                with self.redis.pipeline(transaction=False) as pipe:
+                    for key in counted:
+                        pipe.xlen(key)
+                    if sum(pipe.execute()) >= backlog_limit:
+                        raise _overloaded(model, backlog_limit)
             if not self.redis.set(self.keys.request_id(request_id), model, nx=True, ex=self.settings.id_ttl):
                 raise InvalidRequestError(f"duplicate request id {request_id!r}.")
             self.redis.xadd(stream_key, P.encode(message))
@@ -362,7 +381,7 @@ class EngineClient:
 
     def _call(self, model: str, message: dict[str, Any]) -> dict[str, Any]:
         """A one-answer request (tokenize / detokenize) on the model's utility stream."""
-        self._submit(model, self.keys.utility(model), message, backlog_limit=None)
+        self._submit(model, self.keys.utility(model), (), message, backlog_limit=None)
         stream = GenerationStream(self, model, message["id"])
         answer = stream._next(self.settings.ack_timeout)
         if answer["type"] == P.ERROR:
@@ -472,7 +491,8 @@ class AsyncEngineClient:
         message = _request_message(P.GENERATE, request_id, prompt, messages, params=_params(params).to_dict(),
                                    priority=int(priority), arrival_time=time.time())
         stream = AsyncGenerationStream(self, model, request_id)
-        await self._submit(model, self.keys.requests(model), message, backlog_limit=self.settings.max_queue)
+        await self._submit(model, *_request_streams(self.keys, model, int(priority)), message,
+                           backlog_limit=self.settings.max_queue)
         await stream._wait_ack()
         return stream
 
@@ -518,14 +538,18 @@ class AsyncEngineClient:
             raise _lost(exc) from exc
         return _models_from(rows)
 
-    async def _submit(self, model: str, stream_key: str, message: dict[str, Any],
+    async def _submit(self, model: str, stream_key: str, counted: tuple[str, ...], message: dict[str, Any],
                       backlog_limit: int | None) -> None:
         request_id = message["id"]
         try:
             if not await self.live_replicas(model):
                 raise ModelNotFoundError(f"model {model!r} is not served by any live engine.")
-            if backlog_limit is not None and await self.redis.xlen(stream_key) >= backlog_limit:
-                raise _overloaded(model, backlog_limit)
+            if backlog_limit is not None:
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    for key in counted:
+                        pipe.xlen(key)
+                    if sum(await pipe.execute()) >= backlog_limit:
+                        raise _overloaded(model, backlog_limit)
             if not await self.redis.set(self.keys.request_id(request_id), model, nx=True,
                                         ex=self.settings.id_ttl):
                 raise InvalidRequestError(f"duplicate request id {request_id!r}.")
@@ -534,7 +558,7 @@ class AsyncEngineClient:
             raise _lost(exc) from exc
 
     async def _call(self, model: str, message: dict[str, Any]) -> dict[str, Any]:
-        await self._submit(model, self.keys.utility(model), message, backlog_limit=None)
+        await self._submit(model, self.keys.utility(model), (), message, backlog_limit=None)
         answer = await AsyncGenerationStream(self, model, message["id"])._next(self.settings.ack_timeout)
         if answer["type"] == P.ERROR:
             P.raise_error(answer)

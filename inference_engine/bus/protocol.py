@@ -4,11 +4,22 @@ Everything here is torch-free: the web tier imports it through the client.
 
 Keys (``{p}`` is the namespace prefix, ``llmserve`` by default)
 ----------------------------------------------------------------
-``{p}:req:{model}``         Request stream of one served model. Engine replicas of that model read it through
-                            the consumer group ``engines`` (each entry goes to exactly one replica). An entry
-                            stays pending (in the group's PEL) until its request is finished; it is then
-                            XACKed *and* XDELed, so ``XLEN`` is the model's backlog (queued + in flight),
-                            which clients compare with their ``max_queue`` for bounded admission.
+``{p}:req:{model}``         Interactive request stream of one served model (generations with ``priority <=
+                            0``). Engine replicas of that model read it through the consumer group
+                            ``engines`` (each entry goes to exactly one replica). An entry stays pending (in
+                            the group's PEL) until its request is finished; it is then XACKed *and* XDELed, so
+                            ``XLEN`` is the stream's backlog (queued + in flight).
+``{p}:reqlow:{model}``      Low-priority request stream (``priority > 0``: bulk jobs), same group, same life
+                            cycle. Two streams so that bulk work never hides an interactive request from the
+                            engine: a replica takes up to ``max_inflight`` *interactive* requests whatever its
+                            bulk load, and takes low-priority ones only while its total in flight is below
+                            ``max_inflight``. The engine's scheduler, which orders by (priority, arrival),
+                            then preempts running bulk sequences for an interactive one that does not fit.
+                            Bounded admission (the client's ``max_queue``): an interactive request is refused
+                            when ``XLEN`` of the interactive stream reaches ``max_queue``, a low-priority one
+                            when the two streams' ``XLEN`` together reach it. So a bulk backlog never makes
+                            interactive requests fail as overloaded, bulk never grows the total past
+                            ``max_queue``, and the total stays below ``2 * max_queue``.
 ``{p}:util:{model}``        Tokenize / detokenize requests, same group; read every step regardless of load
                             (they need the engine's tokenizer, not a batch slot) and answered at once.
 ``{p}:out:{request_id}``    Output stream of one request, written only by the engine; ``EXPIRE`` refreshed
@@ -30,7 +41,7 @@ Entries
 -------
 Every stream entry has a single field ``d`` holding a JSON object with a ``type``.
 
-Request (client -> ``req`` stream):
+Request (client -> ``req`` stream, or ``reqlow`` for ``generate`` with ``priority > 0``):
   ``{"type": "generate", "id", "prompt" | "prompt_token_ids" | "messages", "params": SamplingParams.to_dict(),
   "priority": int (lower = earlier, vLLM's convention), "arrival_time": float}``
   ``{"type": "tokenize", "id", "prompt" | "messages"}`` / ``{"type": "detokenize", "id", "token_ids"}``
@@ -54,13 +65,14 @@ Control (client -> ``control`` stream):
 Crash recovery
 --------------
 Replicas publish heartbeats from a thread, so a long scheduler step does not look like death. Every
-``heartbeat_interval`` each replica lists the group's consumers; for a consumer whose heartbeat key is gone it
-claims that consumer's pending entries (``XPENDING`` + ``XCLAIM`` with a minimum idle time, so two survivors
-never both win an entry) and looks at the request's output stream: finished (``final``/``error``) -> just
-acknowledge; already streamed a ``delta`` -> end it with ``engine_unavailable`` rather than re-run it (the
-client has seen part of an answer that a re-run would not reproduce for sampled requests); otherwise run it.
-(``XAUTOCLAIM`` alone would also steal entries from a live replica whose long prefill outlasts the idle
-threshold, so the claim is gated on the owner's death instead.)
+``heartbeat_interval`` each replica lists the group's consumers of all three streams (``req``, ``reqlow``,
+``util``); for a consumer whose heartbeat key is gone it claims that consumer's pending entries of each stream
+(``XPENDING`` + ``XCLAIM`` with a minimum idle time, so two survivors never both win an entry) and looks at
+the request's output stream: finished (``final``/``error``) -> just acknowledge; already streamed a ``delta``
+-> end it with ``engine_unavailable`` rather than re-run it (the client has seen part of an answer that a
+re-run would not reproduce for sampled requests); otherwise run it. (``XAUTOCLAIM`` alone would also steal
+entries from a live replica whose long prefill outlasts the idle threshold, so the claim is gated on the
+owner's death instead.)
 """
 
 from __future__ import annotations
@@ -90,7 +102,17 @@ class Keys:
     prefix: str = DEFAULT_PREFIX
 
     def requests(self, model: str) -> str:
+        """The interactive request stream (``priority <= 0``)."""
         return f"{self.prefix}:req:{model}"
+
+    def low_priority_requests(self, model: str) -> str:
+        """The low-priority (bulk) request stream (``priority > 0``). The kind comes before the model name,
+        so no model name can make it collide with another model's interactive stream."""
+        return f"{self.prefix}:reqlow:{model}"
+
+    def request_stream(self, model: str, priority: int) -> str:
+        """Where a generation of this priority is queued."""
+        return self.low_priority_requests(model) if priority > 0 else self.requests(model)
 
     def utility(self, model: str) -> str:
         return f"{self.prefix}:util:{model}"

@@ -4,6 +4,12 @@ Each iteration: read aborts and new requests (non-blocking while there is work, 
 admit them (a new request joins the running batch at the next step), run one engine step, and write every
 output entry of that step in one pipeline. Requests are read only up to `max_inflight`, so a backlog stays in
 the shared stream where any replica of the model can take it. See `protocol` for the wire format.
+
+Priority-aware intake: interactive requests (``priority <= 0``) and low-priority ones (bulk jobs) come on
+two streams. Interactive requests are read while fewer than `max_inflight` *interactive* ones are in flight,
+however many bulk ones are; low-priority ones only while the total in flight is below `max_inflight`. So a
+replica saturated with bulk work still sees a new interactive request at its next iteration, and the engine's
+scheduler (ordered by priority) preempts a bulk sequence to run it at once.
 """
 
 from __future__ import annotations
@@ -65,6 +71,8 @@ class EngineServer:
                                    self.settings.heartbeat_interval, self.settings.heartbeat_ttl)
         self.max_inflight = self.settings.max_inflight or engine.config.max_num_seqs
         self.req_stream, self.util_stream = self.keys.requests(self.model), self.keys.utility(self.model)
+        self.low_stream = self.keys.low_priority_requests(self.model)
+        self.streams = (self.req_stream, self.low_stream, self.util_stream)
         self._live: dict[str, _Live] = {}
         self._writes: list[tuple[str, dict[str, Any]]] = []
         self._done: list[tuple[str, str]] = []  # (stream, entry id) to XACK + XDEL after the writes
@@ -99,7 +107,7 @@ class EngineServer:
             self._redis_lost(exc)
 
     def _connect(self) -> None:
-        for stream in (self.req_stream, self.util_stream):
+        for stream in self.streams:
             try:
                 self.redis.xgroup_create(stream, P.GROUP, id="0", mkstream=True)
             except redis.ResponseError as exc:
@@ -169,37 +177,86 @@ class EngineServer:
             self._flush()
 
     def _poll(self, block: bool) -> tuple[list[str], list[tuple[str, str, dict]]]:
-        capacity = self.max_inflight - len(self._live) if self._accepting else 0
-        streams = {self.util_stream: ">"}
-        if capacity > 0:
-            streams[self.req_stream] = ">"
+        """Aborts, then new entries: utility ones, interactive requests up to the interactive capacity, then
+        low-priority ones up to the total capacity (in that order, so interactive ones are never left in Redis
+        for bulk ones). When idle, first blocks on every stream for one entry, then tops up the same way."""
         with self.redis.pipeline(transaction=False) as pipe:
             pipe.xread({self.keys.aborts(self.model): self._abort_cursor}, count=1000)
-            pipe.xreadgroup(P.GROUP, self.replica_id, streams, count=capacity if capacity > 0 else 16,
-                            block=int(self.settings.idle_block * 1000) if block else None)
-            try:
-                abort_reply, reply = pipe.execute()
-            except redis.ResponseError as exc:
-                if "NOGROUP" not in str(exc):
-                    raise
-                # Redis lost its data (restart without persistence) and redis-py reconnected by itself, so no
-                # ConnectionError told us: the in-flight requests lost their entries and part of their output.
-                # Fail them as a lost connection would (their clients may still be reading), then recreate our
-                # groups (`_connect` flushes the errors).
-                if self._live:
-                    log.warning("Redis lost its data; failing %d in-flight request(s)", len(self._live))
-                    self.engine.abort_request(list(self._live))
-                    for rid in list(self._live):
-                        self._fail(rid, EngineUnavailableError(
-                            "Redis lost its data (restarted?) while this request ran; it was not finished."))
-                self._connect()
-                return [], []
+            if block:
+                taking = self._capacity([])[1] > 0
+                streams = dict.fromkeys(self.streams if taking else [self.util_stream], ">")
+                pipe.xreadgroup(P.GROUP, self.replica_id, streams, count=1,
+                                block=int(self.settings.idle_block * 1000))
+            replies = self._execute(pipe)
+        if replies is None:
+            return [], []
         aborts = []
-        for entry_id, fields in abort_reply[0][1] if abort_reply else ():
+        for entry_id, fields in replies[0][0][1] if replies[0] else ():
             self._abort_cursor = entry_id
             aborts.append(fields["id"])
-        entries = [(stream, entry_id, fields) for stream, items in reply or () for entry_id, fields in items]
+        entries = self._entries(replies[1]) if block else []
+        if entries or not block:
+            more = self._read_more(entries)
+            if more is None:
+                return [], []
+            entries += more
         return aborts, entries
+
+    def _capacity(self, new: list[tuple[str, str, dict]]) -> tuple[int, int]:
+        """(interactive, total) requests we may still take, counting `new` entries not yet admitted."""
+        if not self._accepting:
+            return 0, 0
+        streams = [live.stream for live in self._live.values()] + [stream for stream, _, _ in new]
+        interactive = sum(1 for stream in streams if stream == self.req_stream)
+        total = sum(1 for stream in streams if stream != self.util_stream)
+        return self.max_inflight - interactive, self.max_inflight - total
+
+    def _read_more(self, entries: list[tuple[str, str, dict]]) -> list[tuple[str, str, dict]] | None:
+        """Non-blocking reads after `entries` (None: Redis lost its data, see `_execute`)."""
+        more: list[tuple[str, str, dict]] = []
+        interactive, _ = self._capacity(entries)
+        with self.redis.pipeline(transaction=False) as pipe:
+            pipe.xreadgroup(P.GROUP, self.replica_id, {self.util_stream: ">"}, count=16)
+            if interactive > 0:
+                pipe.xreadgroup(P.GROUP, self.replica_id, {self.req_stream: ">"}, count=interactive)
+            replies = self._execute(pipe)
+        if replies is None:
+            return None
+        for reply in replies:
+            more += self._entries(reply)
+        _, total = self._capacity(entries + more)
+        if total > 0:
+            with self.redis.pipeline(transaction=False) as pipe:
+                pipe.xreadgroup(P.GROUP, self.replica_id, {self.low_stream: ">"}, count=total)
+                replies = self._execute(pipe)
+            if replies is None:
+                return None
+            more += self._entries(replies[0])
+        return more
+
+    @staticmethod
+    def _entries(reply: Any) -> list[tuple[str, str, dict]]:
+        return [(stream, entry_id, fields) for stream, items in reply or () for entry_id, fields in items]
+
+    def _execute(self, pipe: Any) -> list | None:
+        """Runs a pipeline of reads; None when Redis lost its data."""
+        try:
+            return pipe.execute()
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+        # Redis lost its data (restart without persistence) and redis-py reconnected by itself, so no
+        # ConnectionError told us: the in-flight requests lost their entries and part of their output.
+        # Fail them as a lost connection would (their clients may still be reading), then recreate our
+        # groups (`_connect` flushes the errors).
+        if self._live:
+            log.warning("Redis lost its data; failing %d in-flight request(s)", len(self._live))
+            self.engine.abort_request(list(self._live))
+            for rid in list(self._live):
+                self._fail(rid, EngineUnavailableError(
+                    "Redis lost its data (restarted?) while this request ran; it was not finished."))
+        self._connect()
+        return None
 
     def _admit(self, entries: list[tuple[str, str, dict]]) -> None:
         if not entries:
@@ -315,13 +372,14 @@ class EngineServer:
             "config": dataclasses.asdict(self.engine.config),
             "max_model_len": self.engine.max_model_len,
             "inflight": len(self._live), "max_inflight": self.max_inflight,
+            "inflight_interactive": sum(1 for live in self._live.values() if live.stream == self.req_stream),
             "tokens_per_s": (tokens - before) / (now - then) if now > then else 0.0,
             "stats": stats,
         }
 
     def _dead_consumers(self) -> set[str]:
         consumers = set()
-        for stream in (self.req_stream, self.util_stream):
+        for stream in self.streams:
             for info in self.redis.xinfo_consumers(stream, P.GROUP):
                 consumers.add(info["name"])
         consumers.discard(self.replica_id)
@@ -334,7 +392,7 @@ class EngineServer:
     def _recover(self, consumer: str) -> None:
         """Take over the pending entries of a dead consumer (or our own after a lost connection)."""
         min_idle = 0 if consumer == self.replica_id else int(self.settings.claim_min_idle * 1000)
-        for stream in (self.req_stream, self.util_stream):
+        for stream in self.streams:
             pending = self.redis.xpending_range(stream, P.GROUP, min="-", max="+", count=1000,
                                                 consumername=consumer)
             if pending:
