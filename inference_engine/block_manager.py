@@ -19,7 +19,9 @@ BlockKey = tuple[int, tuple[int, ...]]  # (hash of the previous block's key, thi
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_cpu_blocks: int = 0
+    ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -29,6 +31,9 @@ class BlockManager:
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[BlockKey, int] = {}
         self.num_cache_hits = 0  # tokens served from the prefix cache, for stats
+        # Swap space: CPU blocks that hold the KV of preempted sequences until they resume.
+        self.num_cpu_blocks = num_cpu_blocks
+        self.free_cpu = list(range(num_cpu_blocks))
 
     @property
     def num_free_blocks(self) -> int:
@@ -115,6 +120,31 @@ class BlockManager:
                     self.free.move_to_end(block, last=False)
         seq.block_table = []
         seq.block_hashes = []
+
+    def can_swap_out(self, seq: Sequence) -> bool:
+        return len(seq.block_table) <= len(self.free_cpu)
+
+    def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Moves a sequence's KV to CPU blocks; returns (device block, cpu block) copies to perform."""
+        seq.cpu_block_table = [self.free_cpu.pop() for _ in seq.block_table]
+        copies = list(zip(seq.block_table, seq.cpu_block_table, strict=True))
+        self.free_seq(seq)
+        return copies
+
+    def can_swap_in(self, seq: Sequence, reserve: int = 0) -> bool:
+        # One block of headroom for the token the resumed sequence computes next.
+        return len(seq.cpu_block_table) + 1 + reserve <= self.num_free_blocks
+
+    def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Brings a swapped sequence back into fresh device blocks; returns (cpu, device) block copies."""
+        seq.block_table = [self._take() for _ in seq.cpu_block_table]
+        copies = list(zip(seq.cpu_block_table, seq.block_table, strict=True))
+        self.free_cpu_blocks(seq)
+        return copies
+
+    def free_cpu_blocks(self, seq: Sequence) -> None:
+        self.free_cpu.extend(seq.cpu_block_table)
+        seq.cpu_block_table = []
 
     def _take(self) -> int:
         block, _ = self.free.popitem(last=False)

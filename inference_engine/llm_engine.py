@@ -38,7 +38,10 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or model_len, model_len)
         self.runner = ModelRunner(config, loaded)
         self.block_manager = BlockManager(
-            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
+            self.runner.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            self.runner.num_cpu_blocks,
         )
         self.scheduler = Scheduler(config, self.block_manager)
         self.sampler = Sampler(self.tokenizer.eos_token_ids, config.seed)
@@ -265,7 +268,7 @@ class LLMEngine:
         return {
             "num_running": len(running),
             "num_waiting": len(self.scheduler.waiting),
-            "num_swapped": 0,
+            "num_swapped": len(self.scheduler.swapped),
             "kv_usage": self.block_manager.usage,
             "num_free_blocks": self.block_manager.num_free_blocks,
             "num_blocks": self.block_manager.num_blocks,

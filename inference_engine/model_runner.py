@@ -97,6 +97,13 @@ class ModelRunner:
         )
         for i, layer in enumerate(self.model.model.layers):
             layer.self_attn.k_cache, layer.self_attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        # Swap space: host memory that holds preempted sequences' KV blocks (pinned for fast copies on CUDA).
+        self.num_cpu_blocks = int(config.swap_space * 2**30) // self.kv_bytes_per_block
+        self.cpu_kv_cache = torch.zeros(
+            (*self.kv_cache.shape[:2], self.num_cpu_blocks, *self.kv_cache.shape[3:]),
+            dtype=self.dtype,
+            pin_memory=self.device.type == "cuda" and self.num_cpu_blocks > 0,
+        )
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -130,9 +137,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepOutput:
-        if sched.block_copies:
-            src, dst = zip(*sched.block_copies, strict=True)
-            self.kv_cache[:, :, list(dst)] = self.kv_cache[:, :, list(src)]
+        # Swap-outs first: their device blocks may be handed to other sequences in this very step.
+        for pairs, src_cache, dst_cache in (
+            (sched.swap_out, self.kv_cache, self.cpu_kv_cache),
+            (sched.swap_in, self.cpu_kv_cache, self.kv_cache),
+            (sched.block_copies, self.kv_cache, self.kv_cache),
+        ):
+            if pairs:
+                src, dst = zip(*pairs, strict=True)
+                dst_cache[:, :, list(dst)] = src_cache[:, :, list(src)].to(dst_cache.device)
         input_ids, positions, meta, sample_rows, sample_seqs = self._prepare(sched)
         hidden = self.model(input_ids, positions, meta)
         logits = self.model.compute_logits(hidden[sample_rows]).float().cpu()

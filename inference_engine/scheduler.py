@@ -27,6 +27,8 @@ class SchedulerOutput:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write, before the step
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, cpu block), done first
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block)
 
     @property
     def is_empty(self) -> bool:
@@ -42,11 +44,12 @@ class Scheduler:
         self.watermark = max(1, block_manager.num_blocks // 100)
         self.waiting: list[Sequence] = []  # sorted by _order
         self.running: list[Sequence] = []  # sorted by _order
+        self.swapped: list[Sequence] = []  # sorted by _order; resumed before any new admission
         self.num_preemptions = 0
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.swapped)
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -58,15 +61,16 @@ class Scheduler:
 
     def remove(self, seq: Sequence) -> None:
         """Takes a finished or aborted sequence out of the queues and frees its blocks."""
-        for queue in (self.running, self.waiting):
+        for queue in (self.running, self.waiting, self.swapped):
             if seq in queue:
                 queue.remove(seq)
         self.block_manager.free_seq(seq)
+        self.block_manager.free_cpu_blocks(seq)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        self._make_room_for_urgent()
+        self._make_room_for_urgent(out)
         out_of_blocks = False
         i = 0
         while i < len(self.running) and budget > 0:
@@ -74,7 +78,7 @@ class Scheduler:
             n = min(len(seq) - seq.num_computed_tokens, budget)
             while not self.block_manager.can_append(seq, n):
                 victim = self.running[-1]
-                self._preempt(victim)
+                self._preempt(victim, out)
                 out_of_blocks = True
                 if victim is seq:
                     break
@@ -84,17 +88,30 @@ class Scheduler:
                 out.num_new_tokens.append(n)
                 budget -= n
                 i += 1
-        # New work waits while running sequences lack blocks: what frees up goes to them first.
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out_of_blocks:
-            seq = self.waiting[0]
-            if seq.group.params.prompt_logprobs is None:
-                self.block_manager.match_prefix(seq)
-            n = min(len(seq) - seq.num_computed_tokens, budget)
-            if not self.block_manager.can_append(seq, n, reserve=self.watermark):
-                self.block_manager.free_seq(seq)  # undo the prefix match; retry next step
-                seq.num_computed_tokens = seq.num_cached_tokens = 0
+        # Then resume swapped sequences and admit waiting ones, most urgent first; nothing while
+        # running sequences lack blocks, so that what frees up goes to them.
+        while budget > 0 and len(self.running) < self.max_num_seqs and not out_of_blocks:
+            queue = min(
+                (q for q in (self.swapped, self.waiting) if q), key=lambda q: _order(q[0]), default=None
+            )
+            if queue is None:
                 break
-            self.waiting.pop(0)
+            seq = queue[0]
+            if queue is self.swapped:
+                if not self.block_manager.can_swap_in(seq, reserve=self.watermark):
+                    break
+                out.swap_in += self.block_manager.swap_in(seq)
+            else:
+                if seq.group.params.prompt_logprobs is None:
+                    self.block_manager.match_prefix(seq)
+                if not self.block_manager.can_append(
+                    seq, min(len(seq) - seq.num_computed_tokens, budget), reserve=self.watermark
+                ):
+                    self.block_manager.free_seq(seq)  # undo the prefix match; retry next step
+                    seq.num_computed_tokens = seq.num_cached_tokens = 0
+                    break
+            queue.pop(0)
+            n = min(len(seq) - seq.num_computed_tokens, budget)
             out.block_copies += self.block_manager.append_slots(seq, n)
             self.add_running(seq)
             out.seqs.append(seq)
@@ -102,7 +119,7 @@ class Scheduler:
             budget -= n
         return out
 
-    def _make_room_for_urgent(self) -> None:
+    def _make_room_for_urgent(self, out: SchedulerOutput) -> None:
         """Preempts less urgent running sequences while a more urgent request cannot be admitted.
 
         Without this, a queue full of bulk work would hold every slot and an interactive request
@@ -116,13 +133,19 @@ class Scheduler:
             fits = self.block_manager.can_append(urgent, first_chunk, reserve=self.watermark)
             if len(self.running) < self.max_num_seqs and fits:
                 break
-            self._preempt(victim)
+            self._preempt(victim, out)
 
-    def _preempt(self, seq: Sequence) -> None:
-        """Recompute-style preemption: drop the KV, keep the tokens, prefill them again later."""
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Swaps the sequence's KV out to CPU blocks when swap space allows; otherwise drops the KV,
+        keeps the tokens and prefills them again later (recompute)."""
         self.running.remove(seq)
-        self.block_manager.free_seq(seq)
-        seq.num_computed_tokens = 0
         self.num_preemptions += 1
         seq.group.metrics.num_preemptions += 1
+        if self.block_manager.can_swap_out(seq):
+            out.swap_out += self.block_manager.swap_out(seq)
+            seq.status = SequenceStatus.SWAPPED
+            bisect.insort(self.swapped, seq, key=_order)
+            return
+        self.block_manager.free_seq(seq)
+        seq.num_computed_tokens = 0
         self.add(seq)

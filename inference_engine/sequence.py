@@ -35,6 +35,7 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # prefix-cache hash of each computed full block
+    cpu_block_table: list[int] = field(default_factory=list)  # where its KV lives while swapped out
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     generator: torch.Generator | None = None  # per-sample RNG for seeded requests
     detokenizer: IncrementalDetokenizer | None = None

@@ -31,22 +31,43 @@ def test_default_engine_matches_transformers(llm, hf_greedy):
 @pytest.mark.parametrize(
     "kwargs",
     [
-        {"enable_prefix_caching": False},
-        {"block_size": 8},
-        {"block_size": 32},
-        {"max_num_batched_tokens": 64},  # long prompts prefill in chunks, mixed with decodes
+        {"block_size": 8, "enable_prefix_caching": False},
+        # Long prompts prefill in chunks of at most 64 tokens, mixed with other sequences' decodes.
+        {"block_size": 32, "max_num_batched_tokens": 64},
     ],
-    ids=["no-prefix-cache", "block8", "block32", "chunked-prefill"],
+    ids=["block8-no-prefix-cache", "block32-chunked-prefill"],
 )
 def test_engine_variants_match_transformers(kwargs, hf_greedy):
     llm = LLM(dtype="float32", **kwargs)
     _check_against_hf(llm, hf_greedy)
 
 
-@pytest.mark.parametrize("enable_prefix_caching", [True, False], ids=["prefix-cache", "no-prefix-cache"])
-def test_preemption_keeps_outputs_identical(enable_prefix_caching, hf_greedy):
+BLOCK_BYTES = 2 * 30 * 16 * 3 * 64 * 4  # K and V, 30 layers, 16 tokens, 3 KV heads of 64, fp32
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"enable_prefix_caching": True},
+        {"enable_prefix_caching": False},
+        {"swap_space": 40 * BLOCK_BYTES / 2**30},
+    ],
+    ids=["recompute-prefix-cache", "recompute-no-prefix-cache", "swap"],
+)
+def test_preemption_keeps_outputs_identical(kwargs, hf_greedy):
     # 24 blocks of 16 tokens cannot hold 16 running sequences of up to ~100 tokens: preemption must happen.
-    llm = LLM(dtype="float32", enable_prefix_caching=enable_prefix_caching, kv_cache_memory_bytes=24 * 737280)
+    llm = LLM(dtype="float32", kv_cache_memory_bytes=24 * BLOCK_BYTES, **kwargs)
     assert llm.engine.block_manager.num_blocks == 24
+    swapped = []
+    step = llm.engine.step
+
+    def observed_step():
+        outputs = step()
+        swapped.append(len(llm.engine.scheduler.swapped))
+        return outputs
+
+    llm.engine.step = observed_step
     _check_against_hf(llm, hf_greedy)
     assert llm.engine.scheduler.num_preemptions > 0
+    assert (max(swapped) > 0) == ("swap_space" in kwargs)
+    assert len(llm.engine.block_manager.free_cpu) == llm.engine.block_manager.num_cpu_blocks
