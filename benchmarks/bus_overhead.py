@@ -1,6 +1,6 @@
 """What the Redis bus costs: the same mixed workload in-process and through the bus, in one run.
 
-    .venv/bin/python benchmarks/bus_overhead.py [--requests 24] [--threads 1] [--out bus_overhead.json]
+    .venv/bin/python -m benchmarks.bus_overhead [--requests 32] [--threads 1] [--out bus_overhead.json]
 
 Reports generated tokens/s of both (target: bus >= 90 % of in-process), the added latency per delta (the mean
 gap between consecutive deltas of one lone stream, bus minus in-process), and the bus's bare round trip (a
@@ -13,12 +13,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from benchmarks.workload import mixed_workload
 from inference_engine.bus.client import AsyncEngineClient, EngineClient
 from inference_engine.bus.redis_server import RedisServer
 from inference_engine.sampling_params import SamplingParams
@@ -26,18 +26,12 @@ from inference_engine.sampling_params import SamplingParams
 MODEL = "bench"
 
 
-def workload(n: int, seed: int = 0) -> list[tuple[str, SamplingParams]]:
-    """Mixed: short and long prompts, short and long answers, greedy and sampled."""
-    rng = random.Random(seed)
-    topics = ["the sea", "prime numbers", "a red bicycle", "tea", "mountains", "compilers", "owls"]
-    jobs = []
-    for i in range(n):
-        asks = " ".join(f"Tell me about {rng.choice(topics)}." for _ in range(rng.randint(1, 12)))
-        prompt = f"Request {i}. {asks}"
-        params = SamplingParams(max_tokens=rng.choice([8, 16, 32, 48]), temperature=rng.choice([0.0, 0.8]),
-                                seed=i, ignore_eos=True)
-        jobs.append((prompt, params))
-    return jobs
+def workload(n: int) -> list[tuple[str, SamplingParams]]:
+    """The case study's mixed workload (benchmarks/workload.py), greedy, every request to its max_tokens."""
+    return [
+        (req.prompt, SamplingParams(temperature=0.0, max_tokens=req.max_tokens, ignore_eos=True))
+        for req in mixed_workload(n)
+    ]
 
 
 def in_process(args: argparse.Namespace, jobs: list) -> dict:
@@ -121,10 +115,10 @@ def plot(result: dict, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=24)
+    parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--out", type=Path, default=Path("bus_overhead.json"))
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/bus_overhead.json"))
     args = parser.parse_args()
     jobs = workload(args.requests)
     with RedisServer() as redis_server:
@@ -147,6 +141,7 @@ def main() -> None:
     result = {"requests": args.requests, "threads": args.threads, "dtype": args.dtype,
               "in_process": local, "bus": bus, "bus_ratio": bus["tokens_per_s"] / local["tokens_per_s"],
               "added_latency_per_delta_ms": bus["delta_gap_ms"] - local["delta_gap_ms"]}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     plot(result, args.out.with_suffix(".png"))
     print(json.dumps(result, indent=2))

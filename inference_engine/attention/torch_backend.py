@@ -1,11 +1,13 @@
 """Paged attention in plain PyTorch: the CPU backend (and a fallback wherever Triton is missing).
 
-Decode-only steps gather every sequence's K/V through its block table into one padded batch and run
-one masked scaled_dot_product_attention; steps with prefill chunks go sequence by sequence, and a
+Single-token queries (decodes) gather their sequences' K/V through the block tables into one padded
+batch and run one masked scaled_dot_product_attention; prefill chunks go sequence by sequence, and a
 chunk with no cached prefix attends to its own fresh K/V without touching the cache.
 """
 
 from __future__ import annotations
+
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -31,21 +33,26 @@ def forward(
 ) -> torch.Tensor:
     store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     if meta.decode_only:
-        return _decode(q, k_cache, v_cache, meta, scale)
+        return _decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
     out = torch.empty_like(q)
-    start = 0
+    starts = list(accumulate(meta.query_lens, initial=0))
+    decodes = [b for b, q_len in enumerate(meta.query_lens) if q_len == 1]
+    if decodes:
+        rows = [starts[b] for b in decodes]
+        out[rows] = _decode(
+            q[rows], k_cache, v_cache, meta.block_tables[decodes], meta.seq_lens[decodes], scale
+        )
     for b, (q_len, ctx_len) in enumerate(zip(meta.query_lens, meta.context_lens, strict=True)):
-        end = start + q_len
+        if q_len == 1:
+            continue
+        start, end = starts[b], starts[b + 1]
         if ctx_len == 0:
             keys, values, mask, causal = k[start:end], v[start:end], None, True
         else:
             keys, values = _gather(k_cache, v_cache, meta.block_tables[b], ctx_len + q_len)
             pos_q = torch.arange(ctx_len, ctx_len + q_len).unsqueeze(1)
             mask, causal = torch.arange(ctx_len + q_len).unsqueeze(0) <= pos_q, False
-        out[start:end] = _sdpa(
-            q[start:end].unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), mask, causal, scale
-        )[0]
-        start = end
+        out[start:end] = _sdpa(q[start:end], keys, values, mask, causal, scale)
     return out
 
 
@@ -57,23 +64,33 @@ def _gather(k_cache, v_cache, block_table: torch.Tensor, length: int):
     return keys, values
 
 
-def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    block_size = k_cache.shape[1]
-    num_blocks = (meta.max_seq_len + block_size - 1) // block_size
-    tables = meta.block_tables[:, :num_blocks]
-    keys = k_cache[tables].flatten(1, 2)  # [batch, padded_len, kv_heads, head_dim]
-    values = v_cache[tables].flatten(1, 2)
-    mask = torch.arange(keys.shape[1]).unsqueeze(0) < meta.seq_lens.unsqueeze(1)
-    return _sdpa(q.unsqueeze(1), keys, values, mask[:, None, None, :], False, scale)[:, 0]
+def _decode(
+    q, k_cache, v_cache, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    batch, heads, dim = q.shape
+    kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    num_blocks = (int(seq_lens.max()) + block_size - 1) // block_size
+    tables = block_tables[:, :num_blocks]
+    keys = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [batch, kv_heads, padded_len, head_dim]
+    values = v_cache[tables].flatten(1, 2).transpose(1, 2)
+    valid = torch.arange(keys.shape[2]) < seq_lens.unsqueeze(1)
+    # An additive mask in the compute dtype: CPU SDPA is several times slower with a boolean one.
+    bias = torch.zeros(valid.shape, dtype=q.dtype).masked_fill_(~valid, float("-inf"))[:, None, None, :]
+    # The query heads sharing a KV head are that head's query rows, so K/V are never repeated per head.
+    grouped = q.reshape(batch, kv_heads, heads // kv_heads, dim)
+    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=bias, scale=scale)
+    return out.reshape(batch, heads, dim)
 
 
 def _sdpa(q, k, v, mask, causal: bool, scale: float) -> torch.Tensor:
-    """q: [batch, q_len, heads, dim], k/v: [batch, kv_len, kv_heads, dim] -> [batch, q_len, heads, dim]."""
-    group = q.shape[2] // k.shape[2]
-    if group > 1:
-        k = k.repeat_interleave(group, dim=2)
-        v = v.repeat_interleave(group, dim=2)
+    """One sequence: q [q_len, heads, dim], k/v [kv_len, kv_heads, dim] -> [q_len, heads, dim]."""
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=causal, scale=scale
+        q.transpose(0, 1),
+        k.transpose(0, 1),
+        v.transpose(0, 1),
+        attn_mask=mask,
+        is_causal=causal,
+        scale=scale,
+        enable_gqa=True,
     )
-    return out.transpose(1, 2)
+    return out.transpose(0, 1)

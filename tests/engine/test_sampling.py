@@ -155,10 +155,10 @@ def test_parallel_samples_share_the_prompt_blocks(clean_llm):
         return peak, outputs
 
     params = SamplingParams(temperature=1.0, max_tokens=8, seed=5, ignore_eos=True)
-    independent, _ = peak_blocks([(f"solo{i}", long_prompt + f" {i}", params) for i in range(4)])
-    shared, outputs = peak_blocks(
-        [("fork", long_prompt + " 9", SamplingParams(n=4, temperature=1.0, max_tokens=8, ignore_eos=True))]
-    )
+    # Prompts differ from their first token, so the prefix cache cannot share anything between them.
+    independent, _ = peak_blocks([(f"solo{i}", f"{i}: {long_prompt}", params) for i in range(4)])
+    fork_params = SamplingParams(n=4, temperature=1.0, max_tokens=8, ignore_eos=True)
+    shared, outputs = peak_blocks([("fork", f"9: {long_prompt}", fork_params)])
     samples = outputs["fork"].outputs
     assert [s.index for s in samples] == [0, 1, 2, 3] and all(len(s.token_ids) == 8 for s in samples)
     assert len({tuple(s.token_ids) for s in samples}) > 1

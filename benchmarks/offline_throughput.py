@@ -1,0 +1,232 @@
+"""Offline throughput: our engine against Hugging Face transformers static batching, in one run.
+
+    .venv/bin/python benchmarks/offline_throughput.py [--dtype bfloat16] [--threads 2] [--out DIR]
+
+The mixed workload (benchmarks/workload.py) arrives all at once. Our engine batches it continuously;
+transformers runs it in submission order in static batches of 8, left-padded, each batch running until
+its longest request ends (the "collective wait" of the case study). Both use the same model file and
+dtype. Reports generated tokens/s, mean latency of short and of long requests, peak KV usage and KV
+waste (allocated but unused token slots as a share of allocated, over all steps), and the decode step
+time at batch 1 against the floor of reading every weight once per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.workload import Request, mixed_workload
+from inference_engine import LLM, SamplingParams
+from inference_engine.model_loader import default_model_path
+
+
+def run_engine(llm: LLM, requests: list[Request]) -> dict:
+    engine = llm.engine
+    bm = engine.block_manager
+    start = time.time()
+    for i, req in enumerate(requests):
+        engine.add_request(
+            str(i), req.prompt, SamplingParams(temperature=0, max_tokens=req.max_tokens, ignore_eos=True)
+        )
+    finished, allocated, unused, peak = {}, 0, 0, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[int(out.request_id)] = out
+        # Slots held by running sequences versus slots holding a computed token (or the next one).
+        seqs = engine.scheduler.running
+        held = sum(len(s.block_table) for s in seqs) * bm.block_size
+        allocated += held
+        unused += held - sum(min(len(s), len(s.block_table) * bm.block_size) for s in seqs)
+        peak = max(peak, bm.num_blocks - bm.num_free_blocks)
+    elapsed = time.time() - start
+    latencies = {i: out.metrics.finished_time - start for i, out in finished.items()}
+    tokens = sum(len(out.outputs[0].token_ids) for out in finished.values())
+    return {
+        "seconds": elapsed,
+        "tokens": tokens,
+        "tokens_per_s": tokens / elapsed,
+        **_latency_summary(requests, latencies),
+        "peak_kv_blocks": peak,
+        "peak_kv_usage": peak / bm.num_blocks,
+        "peak_kv_tokens": peak * bm.block_size,
+        "kv_waste": unused / allocated,
+        "preemptions": engine.scheduler.num_preemptions,
+    }
+
+
+def run_static(model, tokenizer, requests: list[Request], batch_size: int) -> dict:
+    start = time.time()
+    latencies, tokens, allocated, used = {}, 0, 0, 0
+    pad = tokenizer.eos_token_id
+    for first in range(0, len(requests), batch_size):
+        batch = list(enumerate(requests))[first : first + batch_size]
+        ids = [tokenizer.encode(req.prompt) for _, req in batch]
+        width = max(map(len, ids))
+        input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
+        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+        new = max(req.max_tokens for _, req in batch)
+        with torch.inference_mode():
+            model.generate(
+                input_ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=pad,
+            )
+        done = time.time() - start
+        for (i, req), x in zip(batch, ids, strict=True):
+            latencies[i] = done
+            tokens += req.max_tokens
+            used += len(x) + req.max_tokens
+        allocated += len(batch) * (
+            width + new
+        )  # every row's cache spans the padded prompt plus the longest answer
+    elapsed = time.time() - start
+    return {
+        "seconds": elapsed,
+        "tokens": tokens,
+        "tokens_per_s": tokens / elapsed,
+        **_latency_summary(requests, latencies),
+        "kv_waste": 1 - used / allocated,
+    }
+
+
+def _latency_summary(requests: list[Request], latencies: dict[int, float]) -> dict:
+    short = [latencies[i] for i, r in enumerate(requests) if r.is_short]
+    long = [latencies[i] for i, r in enumerate(requests) if not r.is_short]
+    return {"mean_latency_short_s": statistics.mean(short), "mean_latency_long_s": statistics.mean(long)}
+
+
+def decode_step_vs_floor(llm: LLM) -> dict:
+    """Median decode step at batch 1, and the time to read every weight once at measured bandwidth."""
+    engine = llm.engine
+    engine.add_request(
+        "solo", "Tell me a long story about the sea.", SamplingParams(max_tokens=64, ignore_eos=True)
+    )
+    engine.step()  # prefill
+    steps = []
+    while engine.has_unfinished_requests():
+        t = time.perf_counter()
+        engine.step()
+        steps.append(time.perf_counter() - t)
+    weights = engine.runner.weight_bytes
+    bandwidth = measure_read_bandwidth()
+    return {
+        "decode_step_ms": 1000 * statistics.median(steps),
+        "weight_bytes": weights,
+        "read_bandwidth_gb_s": bandwidth / 1e9,
+        "weight_read_floor_ms": 1000 * weights / bandwidth,
+    }
+
+
+def measure_read_bandwidth(size: int = 1 << 30) -> float:
+    data = torch.ones(size // 4, dtype=torch.float32)
+    data.sum()
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - t)
+    return size / best
+
+
+def dense_hf_model(dtype: torch.dtype):
+    """transformers' Llama with the same dequantized weights, dense, in `dtype`.
+
+    transformers' own GGUF loading keeps the weights packed and dequantizes inside every matmul, which
+    would make the baseline slower than a plain dense model; we compare against the dense one.
+    """
+    import transformers
+
+    from inference_engine.model_loader import load_model
+
+    path = default_model_path()
+    config = transformers.AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    missing, unexpected = model.load_state_dict(dict(load_model(None).weights), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    model.tie_weights()
+    return model
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ours, static = result["engine"], result["static_batching"]
+    names = ["llmserve", "HF static (batch 8)"]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    axes[0].bar(names, [ours["tokens_per_s"], static["tokens_per_s"]], color=["tab:blue", "tab:gray"])
+    axes[0].set_title("generated tokens/s")
+    x = range(2)
+    axes[1].bar(
+        [i - 0.2 for i in x],
+        [ours["mean_latency_short_s"], static["mean_latency_short_s"]],
+        0.4,
+        label="short",
+    )
+    axes[1].bar(
+        [i + 0.2 for i in x], [ours["mean_latency_long_s"], static["mean_latency_long_s"]], 0.4, label="long"
+    )
+    axes[1].set_xticks(list(x), names)
+    axes[1].set_title("mean latency (s)")
+    axes[1].legend()
+    axes[2].bar(names, [100 * ours["kv_waste"], 100 * static["kv_waste"]], color=["tab:blue", "tab:gray"])
+    axes[2].set_title("KV waste (% of allocated slots)")
+    fig.suptitle(f"{result['workload']} — {result['dtype']}, {result['threads']} threads")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    requests = mixed_workload(args.requests)
+
+    llm = LLM(dtype=args.dtype, log_stats_interval=0)
+    llm.generate(["warm up"], SamplingParams(max_tokens=4), use_tqdm=False)
+    ours = run_engine(llm, requests)
+    step = decode_step_vs_floor(llm)
+    llm_tokenizer = llm.get_tokenizer()
+    del llm
+
+    model = dense_hf_model(getattr(torch, args.dtype))
+    tokenizer = llm_tokenizer
+    model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2)  # warm up
+    static = run_static(model, tokenizer, requests, args.batch_size)
+
+    result = {
+        "workload": f"{len(requests)} requests, {sum(r.is_short for r in requests)} short",
+        "dtype": args.dtype,
+        "threads": args.threads,
+        "engine": ours,
+        "static_batching": static,
+        "speedup_tokens_per_s": ours["tokens_per_s"] / static["tokens_per_s"],
+        "short_latency_ratio": ours["mean_latency_short_s"] / static["mean_latency_short_s"],
+        "decode_step_batch1": step,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "offline_throughput.json").write_text(json.dumps(result, indent=2))
+    plot(result, args.out / "offline_throughput.png")
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
