@@ -6,6 +6,8 @@
    measured copy bandwidth, because decode attention is bound by reading the cache.
 3. The same problem is timed with ``torch.nn.functional.scaled_dot_product_attention`` over K/V that were
    gathered into contiguous tensors beforehand: a dense kernel that need not follow a block table.
+4. The offline throughput benchmark (``benchmarks/offline_throughput.py``: our engine on the Triton backend
+   against transformers static batching) runs on the GPU, unless ``--skip-throughput``.
 
 Results go to a JSON file (``--out``) and a PNG plot beside it. The process exits with status 1 when a
 correctness check fails.
@@ -144,6 +146,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--max-tokens", type=int, default=256 * 8192, help="skip points with more cached tokens"
     )
     parser.add_argument("--quick", action="store_true", help="a few points only, to try the script out")
+    parser.add_argument("--skip-throughput", action="store_true", help="skip the offline throughput run")
     return parser.parse_args(argv)
 
 
@@ -366,6 +369,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     write_json(args.out, results)
     plot_results(args.out.with_suffix(".png"), rows)
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+    if not args.skip_throughput:
+        import subprocess
+
+        command = [sys.executable, "-m", "benchmarks.offline_throughput", "--device", "cuda"]
+        subprocess.run([*command, "--out", str(args.out.parent)], cwd=REPO_ROOT, check=True)
     return 1 if any(check["failed"] for check in checks) else 0
 
 

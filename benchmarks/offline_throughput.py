@@ -68,8 +68,8 @@ def run_static(model, tokenizer, requests: list[Request], batch_size: int) -> di
         batch = list(enumerate(requests))[first : first + batch_size]
         ids = [tokenizer.encode(req.prompt) for _, req in batch]
         width = max(map(len, ids))
-        input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
-        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+        input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids], device=model.device)
+        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=model.device)
         new = max(req.max_tokens for _, req in batch)
         with torch.inference_mode():
             model.generate(
@@ -117,7 +117,7 @@ def decode_step_vs_floor(llm: LLM) -> dict:
         engine.step()
         steps.append(time.perf_counter() - t)
     weights = engine.runner.weight_bytes
-    bandwidth = measure_read_bandwidth()
+    bandwidth = measure_read_bandwidth(engine.runner.device)
     return {
         "decode_step_ms": 1000 * statistics.median(steps),
         "weight_bytes": weights,
@@ -126,13 +126,13 @@ def decode_step_vs_floor(llm: LLM) -> dict:
     }
 
 
-def measure_read_bandwidth(size: int = 1 << 30) -> float:
-    data = torch.ones(size // 4, dtype=torch.float32)
-    data.sum()
+def measure_read_bandwidth(device: torch.device, size: int = 1 << 30) -> float:
+    """Bytes/s of reading a 1 GiB tensor once (a reduction), best of five."""
+    data = torch.ones(size // 4, dtype=torch.float32, device=device)
     best = float("inf")
-    for _ in range(5):
+    for _ in range(6):
         t = time.perf_counter()
-        data.sum()
+        float(data.sum())  # float() waits for the device
         best = min(best, time.perf_counter() - t)
     return size / best
 
@@ -192,7 +192,8 @@ def plot(result: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads on the CPU")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
@@ -200,21 +201,23 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     requests = mixed_workload(args.requests)
 
-    llm = LLM(dtype=args.dtype, log_stats_interval=0)
+    llm = LLM(dtype=args.dtype, device=args.device, log_stats_interval=0)
+    device = llm.engine.runner.device
     llm.generate(["warm up"], SamplingParams(max_tokens=4), use_tqdm=False)
     ours = run_engine(llm, requests)
     step = decode_step_vs_floor(llm)
     llm_tokenizer = llm.get_tokenizer()
     del llm
 
-    model = dense_hf_model(getattr(torch, args.dtype))
+    model = dense_hf_model(getattr(torch, args.dtype)).to(device)
     tokenizer = llm_tokenizer
-    model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2)  # warm up
+    model.generate(torch.tensor([[1, 2, 3]], device=device), max_new_tokens=2)  # warm up
     static = run_static(model, tokenizer, requests, args.batch_size)
 
     result = {
         "workload": f"{len(requests)} requests, {sum(r.is_short for r in requests)} short",
         "dtype": args.dtype,
+        "device": str(device),
         "threads": args.threads,
         "engine": ours,
         "static_batching": static,

@@ -59,8 +59,8 @@ def forward(
 def _gather(k_cache, v_cache, block_table: torch.Tensor, length: int):
     block_size = k_cache.shape[1]
     blocks = block_table[: (length + block_size - 1) // block_size]
-    keys = k_cache[blocks].flatten(0, 1)[:length]
-    values = v_cache[blocks].flatten(0, 1)[:length]
+    keys = k_cache.index_select(0, blocks).flatten(0, 1)[:length]
+    values = v_cache.index_select(0, blocks).flatten(0, 1)[:length]
     return keys, values
 
 
@@ -70,9 +70,11 @@ def _decode(
     batch, heads, dim = q.shape
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     num_blocks = (int(seq_lens.max()) + block_size - 1) // block_size
-    tables = block_tables[:, :num_blocks]
-    keys = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [batch, kv_heads, padded_len, head_dim]
-    values = v_cache[tables].flatten(1, 2).transpose(1, 2)
+    # index_select rather than k_cache[tables]: the same gather, several times faster on the CPU.
+    blocks = block_tables[:, :num_blocks].flatten()
+    padded = (batch, num_blocks * block_size, kv_heads, dim)
+    keys = k_cache.index_select(0, blocks).view(padded).transpose(1, 2)  # [batch, kv_heads, padded_len, dim]
+    values = v_cache.index_select(0, blocks).view(padded).transpose(1, 2)
     valid = torch.arange(keys.shape[2]) < seq_lens.unsqueeze(1)
     # An additive mask in the compute dtype: CPU SDPA is several times slower with a boolean one.
     bias = torch.zeros(valid.shape, dtype=q.dtype).masked_fill_(~valid, float("-inf"))[:, None, None, :]
