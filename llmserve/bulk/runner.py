@@ -187,7 +187,7 @@ class JobRunner:
         if any(o.finish_reason == "abort" for o in result.outputs):
             self._release(flight.item_id, 0)  # cancelled, or superseded by a newer attempt
             return
-        BulkItem.objects.filter(pk=flight.item_id, status=BulkItem.Status.PENDING).update(
+        self._storable(flight.item_id).update(
             status=BulkItem.Status.DONE, lease_until=None, finished_at=timezone.now(),
             **flight.request.stored(result))
 
@@ -196,8 +196,16 @@ class JobRunner:
         BulkItem.objects.filter(pk=item_id, status=BulkItem.Status.PENDING).update(lease_until=until)
 
     def _store_failure(self, item_id: int, exc: requests.ItemError) -> None:
-        BulkItem.objects.filter(pk=item_id, status=BulkItem.Status.PENDING).update(
+        self._storable(item_id).update(
             status=BulkItem.Status.FAILED, lease_until=None, finished_at=timezone.now(), error=exc.as_json())
+
+    @staticmethod
+    def _storable(item_id: int):
+        """The item, while a result may still be stored: it is pending and its job is not final yet. A result
+        that arrives after `finalize` (a cancel that found no lease) is dropped, so a finished job's counts
+        and result files never disagree."""
+        active = {"status": BulkItem.Status.PENDING, "job__status__in": BulkJob.ACTIVE}
+        return BulkItem.objects.filter(pk=item_id, **active)
 
     def _abort_all(self) -> None:
         self.aborted = True
