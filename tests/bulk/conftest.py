@@ -34,16 +34,19 @@ def bulk_stack(django_db_blocker: pytest.FixtureRequest) -> Iterator[BulkStack]:
     stack = BulkStack(engine_flags=engine_flags(max_num_seqs=16))
     stack.start()
     connection = connections["default"]
-    previous = connection.settings_dict["NAME"]
+    previous_name = connection.settings_dict["NAME"]
+    # Earlier tests may have left the connection on pytest-django's in-memory test database, which Django
+    # never closes (closing would destroy it): park that connection and open the stack's file instead.
+    previous_connection, connection.connection = connection.connection, None
+    connection.settings_dict["NAME"] = str(stack.db_path)
     try:
         with django_db_blocker.unblock(), override_settings(LLMSERVE={"REDIS_URL": stack.redis.url}):
-            connection.close()
-            connection.settings_dict["NAME"] = str(stack.db_path)
             celery_app.conf.broker_url = stack.redis.url
             yield stack
-            connection.close()
     finally:
-        connection.settings_dict["NAME"] = previous
+        connection.close()
+        connection.settings_dict["NAME"] = previous_name
+        connection.connection = previous_connection
         stack.stop()
 
 
