@@ -31,7 +31,9 @@ def load(folder: Path) -> LoadedModel:
     eos_ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
     tokenizer = load_hf_tokenizer(folder, eos_ids)
     heads = raw["num_attention_heads"]
+    # transformers >= 5 writes rope_theta inside rope_parameters; older configs have it at the top level.
     rope_scaling = raw.get("rope_scaling") or raw.get("rope_parameters")
+    rope_theta = raw.get("rope_theta") or (rope_scaling or {}).get("rope_theta", 10000.0)
     if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
         rope_scaling = None
     config = ModelConfig(
@@ -45,7 +47,7 @@ def load(folder: Path) -> LoadedModel:
         head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
         max_position_embeddings=raw.get("max_position_embeddings", 2048),
         rms_norm_eps=raw.get("rms_norm_eps", 1e-5),
-        rope_theta=raw.get("rope_theta") or (rope_scaling or {}).get("rope_theta", 10000.0),
+        rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         tie_word_embeddings=raw.get("tie_word_embeddings", False),
         attention_bias=raw.get("attention_bias", arch == "qwen2"),
