@@ -180,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=int(os.environ.get("PORT") or 8000))
     args = parser.parse_args(argv)
+    # SIGINT too: a shell that starts us in the background has set it to "ignore", and we inherit that.
+    signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         run(args.host, args.port)
