@@ -126,7 +126,7 @@ def _weights(reader: gguf.GGUFReader, config: ModelConfig) -> Iterator[tuple[str
             array = _unpermute(array, config.num_attention_heads)
         elif config.architecture == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
             array = _unpermute(array, config.num_key_value_heads)
-        yield name, torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+        yield name, torch.from_numpy(np.array(array, dtype=np.float32))  # a writable copy of the mmap
 
 
 def _tokenizer(reader: gguf.GGUFReader) -> Tokenizer:
