@@ -47,10 +47,6 @@ class Scheduler:
         self.swapped: list[Sequence] = []  # sorted by _order; resumed before any new admission
         self.num_preemptions = 0
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.swapped)
-
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         bisect.insort(self.waiting, seq, key=_order)

@@ -84,7 +84,3 @@ class SequenceGroup:
     def is_finished(self) -> bool:
         # The prompt's sequence forks into n when it samples its first token.
         return len(self.seqs) == self.params.n and all(seq.is_finished for seq in self.seqs)
-
-    def sort_key(self) -> tuple[int, float]:
-        """Scheduling order: lower priority value first, then first come first served."""
-        return (self.priority, self.arrival_time)
