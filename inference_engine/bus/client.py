@@ -179,14 +179,10 @@ def _lost(exc: Exception) -> EngineUnavailableError:
     return EngineUnavailableError(f"lost the connection to Redis: {exc}")
 
 
-# --------------------------------------------------------------------------------------------------- sync
+class _StreamState:
+    """What the sync and async streams share: the request, its read position and the buffered entries."""
 
-
-class GenerationStream:
-    """A submitted, acknowledged generation. Iterate it for `RequestDelta`s; use it as a context manager (or
-    call `abort()`) to make sure an abandoned request is aborted in the engine."""
-
-    def __init__(self, client: EngineClient, model: str, request_id: str) -> None:
+    def __init__(self, client: EngineClient | AsyncEngineClient, model: str, request_id: str) -> None:
         self.client, self.model, self.request_id = client, model, request_id
         self._acc = _Accumulator(request_id)
         self._buffer: deque[dict[str, Any]] = deque()
@@ -200,6 +196,19 @@ class GenerationStream:
     def finished(self) -> bool:
         return self._acc.finished
 
+    def _take(self, reply: list | None) -> None:
+        for entry_id, fields in reply[0][1] if reply else ():
+            self._last_id = entry_id
+            self._buffer.append(P.decode(fields))
+
+
+# --------------------------------------------------------------------------------------------------- sync
+
+
+class GenerationStream(_StreamState):
+    """A submitted, acknowledged generation. Iterate it for `RequestDelta`s; use it as a context manager (or
+    call `abort()`) to make sure an abandoned request is aborted in the engine."""
+
     def _next(self, timeout: float) -> dict[str, Any]:
         waiter = _Waiter(timeout, self.model, self.request_id)
         key = self.client.keys.output(self.request_id)
@@ -207,9 +216,7 @@ class GenerationStream:
             while not self._buffer:
                 block = waiter.block_ms(self.client.settings.poll_interval)
                 reply = self.client.redis.xread({key: self._last_id}, count=256, block=block)
-                for entry_id, fields in reply[0][1] if reply else ():
-                    self._last_id = entry_id
-                    self._buffer.append(P.decode(fields))
+                self._take(reply)
                 if not reply:
                     if not self.client.live_replicas(self.model):
                         raise waiter.dead()
@@ -392,23 +399,9 @@ class EngineClient:
 # -------------------------------------------------------------------------------------------------- async
 
 
-class AsyncGenerationStream:
+class AsyncGenerationStream(_StreamState):
     """Async twin of `GenerationStream`. `async for` over it; cancelling the consuming task, leaving the loop
     (the generator is closed when collected) or `async with` exit abort an unfinished request."""
-
-    def __init__(self, client: AsyncEngineClient, model: str, request_id: str) -> None:
-        self.client, self.model, self.request_id = client, model, request_id
-        self._acc = _Accumulator(request_id)
-        self._buffer: deque[dict[str, Any]] = deque()
-        self._last_id = "0-0"
-
-    @property
-    def prompt_tokens(self) -> int | None:
-        return self._acc.prompt_tokens
-
-    @property
-    def finished(self) -> bool:
-        return self._acc.finished
 
     async def _next(self, timeout: float) -> dict[str, Any]:
         waiter = _Waiter(timeout, self.model, self.request_id)
@@ -417,9 +410,7 @@ class AsyncGenerationStream:
             while not self._buffer:
                 block = waiter.block_ms(self.client.settings.poll_interval)
                 reply = await self.client.redis.xread({key: self._last_id}, count=256, block=block)
-                for entry_id, fields in reply[0][1] if reply else ():
-                    self._last_id = entry_id
-                    self._buffer.append(P.decode(fields))
+                self._take(reply)
                 if not reply:
                     if not await self.client.live_replicas(self.model):
                         raise waiter.dead()
