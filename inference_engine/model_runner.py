@@ -7,7 +7,9 @@ paged KV cache and its sizing from a memory budget.
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +52,25 @@ def _cpu_has_fast_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def keep_freed_memory_for_reuse() -> bool:
+    """Stops glibc from handing each step's large temporaries back to the kernel as they are freed.
+
+    By default glibc serves blocks over ~128 KiB with fresh mmaps and trims freed heap tops, so every
+    prefill step pays page faults on tens of MB of activations again: measured here, a bf16 RMSNorm on
+    2048 tokens took 4.1 ms instead of 0.4 ms. Raising the mmap threshold to glibc's maximum (32 MiB)
+    and the trim threshold to 1 GiB keeps that memory in the process for the next step, which is what
+    vLLM's CPU guide gets by preloading tcmalloc. Returns False where the C library is not glibc.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        return bool(libc.mallopt(m_mmap_threshold, 32 << 20) and libc.mallopt(m_trim_threshold, 1 << 30))
+    except (OSError, AttributeError):
+        return False
+
+
 def resolve_attention_backend(config: EngineConfig, device: torch.device) -> str:
     if config.attention_backend != "auto":
         return config.attention_backend
@@ -71,6 +92,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(config, self.device)
         self.attention_backend = resolve_attention_backend(config, self.device)
         self.block_size = config.block_size
+        if self.device.type == "cpu":
+            keep_freed_memory_for_reuse()
         model_cls = MODEL_CLASSES[loaded.config.architecture]
         torch.manual_seed(config.seed)
         # Built under the target default dtype (not cast afterwards) so fp32 buffers like RoPE's stay fp32.

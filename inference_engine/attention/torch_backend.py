@@ -1,8 +1,9 @@
-"""Paged attention in plain PyTorch: the CPU backend (and a fallback wherever Triton is missing).
+"""Paged attention in PyTorch: the CPU backend (and a fallback wherever Triton is missing).
 
-Single-token queries (decodes) gather their sequences' K/V through the block tables into one padded
-batch and run one masked scaled_dot_product_attention; prefill chunks go sequence by sequence, and a
-chunk with no cached prefix attends to its own fresh K/V without touching the cache.
+Single-token queries (decodes) run the native CPU kernel of `cpu_kernels` where it is available, which
+reads the paged cache in place; otherwise they gather their sequences' K/V through the block tables
+into one padded batch and run one masked scaled_dot_product_attention. Prefill chunks go sequence by
+sequence, and a chunk with no cached prefix attends to its own fresh K/V without touching the cache.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from itertools import accumulate
 import torch
 import torch.nn.functional as F
 
-from inference_engine.attention import AttentionMetadata
+from inference_engine.attention import AttentionMetadata, cpu_kernels
 
 
 def store_kv(
@@ -67,6 +68,16 @@ def _gather(k_cache, v_cache, block_table: torch.Tensor, length: int):
 def _decode(
     q, k_cache, v_cache, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float
 ) -> torch.Tensor:
+    out = cpu_kernels.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    if out is not None:
+        return out
+    return decode_reference(q, k_cache, v_cache, block_tables, seq_lens, scale)
+
+
+def decode_reference(
+    q, k_cache, v_cache, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Decode attention in PyTorch ops: the fallback, and the reference the native kernel is tested against."""
     batch, heads, dim = q.shape
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     num_blocks = (int(seq_lens.max()) + block_size - 1) // block_size
@@ -85,14 +96,18 @@ def _decode(
 
 
 def _sdpa(q, k, v, mask, causal: bool, scale: float) -> torch.Tensor:
-    """One sequence: q [q_len, heads, dim], k/v [kv_len, kv_heads, dim] -> [q_len, heads, dim]."""
+    """One sequence: q [q_len, heads, dim], k/v [kv_len, kv_heads, dim] -> [q_len, heads, dim].
+
+    The inputs get a batch dimension because the CPU's flash kernel only takes 4-D ones: 3-D inputs fall
+    back to the unfused math path, several times slower on long prompts.
+    """
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1),
-        k.transpose(0, 1),
-        v.transpose(0, 1),
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
         attn_mask=mask,
         is_causal=causal,
         scale=scale,
         enable_gqa=True,
     )
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)

@@ -28,23 +28,24 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor
 
 
 class RotaryEmbedding(nn.Module):
+    """Shared by every layer; the cos/sin rows of a step's positions are looked up once, by the first."""
+
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None = None) -> None:
         super().__init__()
         inv_freq = _inv_freq(head_dim, theta, scaling)
         t = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        # Laid out for the rotate-half form x * cos + rotate_half(x) * sin, with its sign folded into sin.
+        self.register_buffer("cos", torch.cat((freqs.cos(), freqs.cos()), -1), persistent=False)
+        self.register_buffer("sin", torch.cat((-freqs.sin(), freqs.sin()), -1), persistent=False)
+        self._positions: torch.Tensor | None = None
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x: [tokens, heads, head_dim], queries and keys together. Computed in fp32, as transformers does."""
+        if positions is not self._positions:
+            self._positions = positions
+            self._cos, self._sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        xf = x.float()
+        half = x.shape[-1] // 2
+        rotated = torch.cat((xf[..., half:], xf[..., :half]), dim=-1)
+        return (xf * self._cos + rotated * self._sin).to(x.dtype)

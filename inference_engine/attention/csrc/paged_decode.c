@@ -1,0 +1,157 @@
+/* Paged decode attention for the CPU: one query token per sequence against its cached K/V.
+ *
+ * Reads K/V in place through the block table (no gather into a padded copy, no work on padding) and
+ * handles the query heads that share a KV head together, so each cached row is loaded and converted
+ * once per step. Softmax is online, block by block, so no buffer grows with the context length.
+ * Accumulation is in fp32 whatever the cache dtype.
+ *
+ * Built at run time by inference_engine/attention/cpu_kernels.py with -O3 -march=native, so the plain
+ * loops below are vectorised for the machine at hand. Layouts (all contiguous except q's row stride):
+ *   q            [batch, heads, head_dim]          row stride q_stride elements
+ *   k/v_cache    [num_blocks, block_size, kv_heads, head_dim]
+ *   block_tables [batch, max_blocks] int32
+ *   seq_lens     [batch] int32 (cached tokens, the new one included)
+ *   out          [batch, heads, head_dim]
+ */
+#include <float.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_HEAD_DIM 256
+#define MAX_GROUP 16
+#define MAX_BLOCK 64
+
+static inline float bf16_to_float(uint16_t x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* quiet NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even, as torch does */
+    return (uint16_t)(bits >> 16);
+}
+
+/* exp(x) for x <= 0 as 2^n * 2^r with |r| <= 1/2 and a degree-6 Taylor polynomial (error ~1e-7,
+ * an ulp or so): unlike libm's expf it vectorises, and it was a third of the kernel's time. */
+static inline float exp_nonpositive(float x) {
+    float t = (x < -87.f ? -87.f : x) * 1.44269504088896341f;
+    float n = __builtin_rintf(t), r = (t - n) * 0.69314718055994531f;
+    float p = 1.f + r * (1.f + r * (0.5f + r * (1.f / 6 + r * (1.f / 24 + r * (1.f / 120 + r * (1.f / 720))))));
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* One (sequence, KV head): `group` query heads attend to `len` cached tokens. q/out rows are fp32.
+ * Always inlined into callers with a constant head_dim, so the inner loops unroll for 64 and 128. */
+static inline __attribute__((always_inline)) void attend(const float *q, int group, int head_dim, int len, int block_size, int row_stride,
+                   const int32_t *table, const void *k_cache, const void *v_cache, int is_bf16,
+                   float scale, float *out) {
+    float m[MAX_GROUP], l[MAX_GROUP], s[MAX_GROUP][MAX_BLOCK];
+    float row[MAX_HEAD_DIM];
+    for (int g = 0; g < group; g++) {
+        m[g] = -FLT_MAX;
+        l[g] = 0.f;
+        memset(out + g * head_dim, 0, sizeof(float) * head_dim);
+    }
+    for (int start = 0; start < len; start += block_size) {
+        int n = len - start < block_size ? len - start : block_size;
+        long base = (long)table[start / block_size] * block_size * row_stride;
+        for (int t = 0; t < n; t++) {
+            long off = base + (long)t * row_stride;
+            if (is_bf16) {
+                const uint16_t *k = (const uint16_t *)k_cache + off;
+                for (int d = 0; d < head_dim; d++) row[d] = bf16_to_float(k[d]);
+            } else {
+                memcpy(row, (const float *)k_cache + off, sizeof(float) * head_dim);
+            }
+            for (int g = 0; g < group; g++) {
+                const float *qg = q + g * head_dim;
+                float dot = 0.f;
+                for (int d = 0; d < head_dim; d++) dot += qg[d] * row[d];
+                s[g][t] = dot * scale;
+            }
+        }
+        for (int g = 0; g < group; g++) {
+            float block_max = m[g];
+            for (int t = 0; t < n; t++) block_max = s[g][t] > block_max ? s[g][t] : block_max;
+            float correction = exp_nonpositive(m[g] - block_max);
+            l[g] *= correction;
+            float *o = out + g * head_dim;
+            for (int d = 0; d < head_dim; d++) o[d] *= correction;
+            for (int t = 0; t < n; t++) {
+                s[g][t] = exp_nonpositive(s[g][t] - block_max);
+                l[g] += s[g][t];
+            }
+            m[g] = block_max;
+        }
+        for (int t = 0; t < n; t++) {
+            long off = base + (long)t * row_stride;
+            if (is_bf16) {
+                const uint16_t *v = (const uint16_t *)v_cache + off;
+                for (int d = 0; d < head_dim; d++) row[d] = bf16_to_float(v[d]);
+            } else {
+                memcpy(row, (const float *)v_cache + off, sizeof(float) * head_dim);
+            }
+            for (int g = 0; g < group; g++) {
+                float p = s[g][t];
+                float *o = out + g * head_dim;
+                for (int d = 0; d < head_dim; d++) o[d] += p * row[d];
+            }
+        }
+    }
+    for (int g = 0; g < group; g++) {
+        float inv = 1.f / l[g];
+        for (int d = 0; d < head_dim; d++) out[g * head_dim + d] *= inv;
+    }
+}
+
+/* Returns 0, or -1 when a shape exceeds this kernel's fixed limits (the caller falls back). */
+int paged_decode(const void *q, long q_stride, const void *k_cache, const void *v_cache,
+                 const int32_t *block_tables, int max_blocks, const int32_t *seq_lens, void *out,
+                 int batch, int heads, int kv_heads, int head_dim, int block_size, int is_bf16,
+                 float scale, int num_threads) {
+    int group = heads / kv_heads;
+    if (head_dim > MAX_HEAD_DIM || group > MAX_GROUP || block_size > MAX_BLOCK) return -1;
+    int row_stride = kv_heads * head_dim;
+#pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)
+    for (int b = 0; b < batch; b++) {
+        for (int h = 0; h < kv_heads; h++) {
+            float qf[MAX_GROUP * MAX_HEAD_DIM], of[MAX_GROUP * MAX_HEAD_DIM];
+            int n = group * head_dim;
+            long q_off = (long)b * q_stride + (long)h * n, o_off = ((long)b * heads + (long)h * group) * head_dim;
+            if (is_bf16) {
+                for (int i = 0; i < n; i++) qf[i] = bf16_to_float(((const uint16_t *)q)[q_off + i]);
+            } else {
+                memcpy(qf, (const float *)q + q_off, sizeof(float) * n);
+            }
+            long cache_off = (long)h * head_dim;
+            const void *k = is_bf16 ? (const void *)((const uint16_t *)k_cache + cache_off)
+                                    : (const void *)((const float *)k_cache + cache_off);
+            const void *v = is_bf16 ? (const void *)((const uint16_t *)v_cache + cache_off)
+                                    : (const void *)((const float *)v_cache + cache_off);
+            const int32_t *table = block_tables + (long)b * max_blocks;
+            int len = seq_lens[b];
+#define ATTEND(DIM, BF16) attend(qf, group, DIM, len, block_size, row_stride, table, k, v, BF16, scale, of)
+            if (is_bf16 && head_dim == 64) ATTEND(64, 1);
+            else if (is_bf16 && head_dim == 128) ATTEND(128, 1);
+            else if (is_bf16) ATTEND(head_dim, 1);
+            else if (head_dim == 64) ATTEND(64, 0);
+            else if (head_dim == 128) ATTEND(128, 0);
+            else ATTEND(head_dim, 0);
+#undef ATTEND
+            if (is_bf16) {
+                for (int i = 0; i < n; i++) ((uint16_t *)out)[o_off + i] = float_to_bf16(of[i]);
+            } else {
+                memcpy((float *)out + o_off, of, sizeof(float) * n);
+            }
+        }
+    }
+    return 0;
+}
