@@ -77,7 +77,7 @@ def _decode(
 def decode_reference(
     q, k_cache, v_cache, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """Decode attention in PyTorch ops: the fallback, and the reference the native kernel is tested against."""
+    """Decode attention in PyTorch ops: the fallback, and the reference the native kernel is tested on."""
     batch, heads, dim = q.shape
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     num_blocks = (int(seq_lens.max()) + block_size - 1) // block_size
