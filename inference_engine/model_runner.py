@@ -106,6 +106,9 @@ class ModelRunner:
             torch.set_default_dtype(default_dtype)
         self.model.load_weights(loaded.weights)
         self.model.eval()
+        for module in self.model.modules():
+            if hasattr(module, "prepack"):
+                module.prepack()
         self.num_blocks = self._num_kv_blocks()
         mc = self.model_config
         self.kv_cache = torch.zeros(
