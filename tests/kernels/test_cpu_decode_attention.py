@@ -29,7 +29,8 @@ def test_kernel_builds_here():
 
 
 # (seq_lens, block_size, head_dim, num_heads, num_kv_heads, dtype). Lengths cover 1, exact block ends
-# and one past them; GQA groups of 1, 3, 4 and 8; head dims 64 and 128 (unrolled) and 80 (generic loop).
+# and one past them; GQA groups of 1, 3, 4, 8 (specialised for AVX512-BF16 in bf16) and 12 (generic);
+# head dims 64 and 128 (specialised) and 80 (generic loop).
 CASES = [
     ([1], 16, 64, 9, 3, BF16),
     ([16, 17, 1, 33], 16, 64, 9, 3, BF16),
@@ -37,7 +38,9 @@ CASES = [
     ([32, 31, 97], 32, 128, 4, 4, BF16),
     ([200, 1, 129], 16, 64, 12, 3, F32),
     ([130, 17, 2], 16, 128, 32, 4, BF16),
-    ([45, 3], 8, 80, 16, 2, F32),
+    ([45, 3], 8, 80, 16, 2, BF16),
+    ([20, 33], 16, 64, 24, 2, BF16),
+    ([61, 5], 32, 80, 6, 2, F32),
     ([600, 1000], 16, 64, 9, 3, BF16),
     (random.Random(2).choices(range(1, 400), k=24), 16, 64, 9, 3, BF16),
     (random.Random(3).choices(range(1, 300), k=7), 32, 128, 28, 4, F32),

@@ -112,6 +112,100 @@ static inline __attribute__((always_inline)) void attend(const float *q, int gro
     }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define HAVE_AVX512_BF16 1
+
+static inline __m512 bf16x16_to_f32(const uint16_t *p) {
+    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+/* attend() for bf16 caches on CPUs with AVX512-BF16, with G (query heads per KV head) and D constant
+ * at each call site: q.k runs on bf16 pairs straight from the cache (vdpbf16ps, exact products, fp32
+ * sums) and each head's output row stays in registers while a block's values are summed into it. */
+static inline __attribute__((always_inline)) void attend_avx512(const uint16_t *q, const int G, const int D,
+                                                                int len, int block_size, int row_stride,
+                                                                const int32_t *table, const uint16_t *k_cache,
+                                                                const uint16_t *v_cache, float scale, float *out) {
+    const int NQ = D / 32, NO = D / 16; /* bf16 pairs vectors and fp32 vectors per row */
+    __m512bh qv[G][NQ];
+    __m512 acc[G][NO];
+    float m[G], l[G], s[G][MAX_BLOCK];
+    for (int g = 0; g < G; g++) {
+        for (int i = 0; i < NQ; i++) qv[g][i] = (__m512bh)_mm512_loadu_si512(q + g * D + 32 * i);
+        for (int i = 0; i < NO; i++) acc[g][i] = _mm512_setzero_ps();
+        m[g] = -FLT_MAX;
+        l[g] = 0.f;
+    }
+    for (int start = 0; start < len; start += block_size) {
+        int n = len - start < block_size ? len - start : block_size;
+        long base = (long)table[start / block_size] * block_size * row_stride;
+        if (start + block_size < len) {
+            /* The next block is elsewhere in memory and this head's rows are strided within it, which
+             * the hardware prefetchers do not follow: ask for them while this block is computed. */
+            long next = (long)table[start / block_size + 1] * block_size * row_stride;
+            for (int t = 0; t < block_size; t++) {
+                for (int b = 0; b < D * 2; b += 64) {
+                    _mm_prefetch((const char *)(k_cache + next + (long)t * row_stride) + b, _MM_HINT_T0);
+                    _mm_prefetch((const char *)(v_cache + next + (long)t * row_stride) + b, _MM_HINT_T0);
+                }
+            }
+        }
+        for (int t = 0; t < n; t++) {
+            const uint16_t *k = k_cache + base + (long)t * row_stride;
+            __m512bh kv[NQ];
+            for (int i = 0; i < NQ; i++) kv[i] = (__m512bh)_mm512_loadu_si512(k + 32 * i);
+            for (int g = 0; g < G; g++) {
+                __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], kv[0]);
+                for (int i = 1; i < NQ; i++) dot = _mm512_dpbf16_ps(dot, qv[g][i], kv[i]);
+                s[g][t] = _mm512_reduce_add_ps(dot) * scale;
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            float block_max = m[g];
+            for (int t = 0; t < n; t++) block_max = s[g][t] > block_max ? s[g][t] : block_max;
+            float correction = exp_nonpositive(m[g] - block_max), sum = l[g] * correction;
+            for (int t = 0; t < n; t++) {
+                s[g][t] = exp_nonpositive(s[g][t] - block_max);
+                sum += s[g][t];
+            }
+            m[g] = block_max;
+            l[g] = sum;
+            __m512 c = _mm512_set1_ps(correction);
+            for (int i = 0; i < NO; i++) acc[g][i] = _mm512_mul_ps(acc[g][i], c);
+        }
+        for (int t = 0; t < n; t++) {
+            const uint16_t *v = v_cache + base + (long)t * row_stride;
+            __m512 row[NO];
+            for (int i = 0; i < NO; i++) row[i] = bf16x16_to_f32(v + 16 * i);
+            for (int g = 0; g < G; g++) {
+                __m512 p = _mm512_set1_ps(s[g][t]);
+                for (int i = 0; i < NO; i++) acc[g][i] = _mm512_fmadd_ps(p, row[i], acc[g][i]);
+            }
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        __m512 inv = _mm512_set1_ps(1.f / l[g]);
+        for (int i = 0; i < NO; i++) _mm512_storeu_ps(out + g * D + 16 * i, _mm512_mul_ps(acc[g][i], inv));
+    }
+}
+
+/* The specialised kernel for the common shapes; returns 0 where it has none (the caller goes generic). */
+static int attend_bf16_fast(const uint16_t *q, int group, int head_dim, int len, int block_size, int row_stride,
+                            const int32_t *table, const uint16_t *k, const uint16_t *v, float scale, float *out) {
+#define CASE(G, D)                                                                               \
+    if (group == G && head_dim == D) {                                                           \
+        attend_avx512(q, G, D, len, block_size, row_stride, table, k, v, scale, out);            \
+        return 1;                                                                                \
+    }
+    CASE(1, 64) CASE(2, 64) CASE(3, 64) CASE(4, 64) CASE(5, 64) CASE(6, 64) CASE(7, 64) CASE(8, 64)
+    CASE(1, 128) CASE(2, 128) CASE(3, 128) CASE(4, 128) CASE(5, 128) CASE(6, 128) CASE(7, 128) CASE(8, 128)
+#undef CASE
+    return 0;
+}
+#endif
+
 /* Returns 0, or -1 when a shape exceeds this kernel's fixed limits (the caller falls back). */
 int paged_decode(const void *q, long q_stride, const void *k_cache, const void *v_cache,
                  const int32_t *block_tables, int max_blocks, const int32_t *seq_lens, void *out,
@@ -138,6 +232,13 @@ int paged_decode(const void *q, long q_stride, const void *k_cache, const void *
                                     : (const void *)((const float *)v_cache + cache_off);
             const int32_t *table = block_tables + (long)b * max_blocks;
             int len = seq_lens[b];
+#ifdef HAVE_AVX512_BF16
+            if (is_bf16 && attend_bf16_fast((const uint16_t *)q + q_off, group, head_dim, len, block_size,
+                                            row_stride, table, k, v, scale, of)) {
+                for (int i = 0; i < n; i++) ((uint16_t *)out)[o_off + i] = float_to_bf16(of[i]);
+                continue;
+            }
+#endif
 #define ATTEND(DIM, BF16) attend(qf, group, DIM, len, block_size, row_stride, table, k, v, BF16, scale, of)
             if (is_bf16 && head_dim == 64) ATTEND(64, 1);
             else if (is_bf16 && head_dim == 128) ATTEND(128, 1);
