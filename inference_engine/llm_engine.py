@@ -164,7 +164,9 @@ class LLMEngine:
             seq.group.prompt_logprobs.extend(logprobs)
 
         rows, seqs = self._fork_samples(out.sample_seqs)
-        results = self.sampler(out.logits[rows], seqs) if seqs else []
+        # Rows repeat only where a prompt forks into n samples; otherwise the logits go over uncopied.
+        logits = out.logits if len(rows) == len(out.logits) else out.logits[rows]
+        results = self.sampler(logits, seqs) if seqs else []
         now = time.time()
         for seq, result in zip(seqs, results, strict=True):
             self._append_token(seq, result)

@@ -18,7 +18,7 @@ from inference_engine.sequence import Sequence
 @dataclass
 class SampleResult:
     token_id: int
-    logprob: float
+    logprob: float  # 0.0 unless the request asked for logprobs
     top_logprobs: dict[int, Logprob] | None  # chosen token plus the top-k alternatives
 
 
@@ -29,9 +29,12 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
-        """logits: [len(seqs), vocab] in fp32, on the CPU."""
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
-        logits = logits.clone()
+        """logits: [len(seqs), vocab] in fp32, on the CPU; modified in place.
+
+        Logprobs (a full pass over the vocabulary) are computed only for the rows that asked for them.
+        """
+        wanted = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        raw_logprobs = torch.log_softmax(logits[wanted], dim=-1) if wanted else None
         self._apply_logit_bias_and_min_tokens(logits, seqs)
         self._apply_penalties(logits, seqs)
 
@@ -43,14 +46,11 @@ class Sampler:
         if sampled:
             tokens[sampled] = self._sample(logits[sampled], [seqs[i] for i in sampled])
 
-        chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
-        results = []
-        for i, seq in enumerate(seqs):
-            token = int(tokens[i])
-            top = None
-            if seq.params.logprobs is not None:
-                top = top_logprobs(raw_logprobs[i], token, seq.params.logprobs)
-            results.append(SampleResult(token, float(chosen[i]), top))
+        results = [SampleResult(token, 0.0, None) for token in tokens.tolist()]
+        for row, i in enumerate(wanted):
+            result = results[i]
+            result.logprob = float(raw_logprobs[row, result.token_id])
+            result.top_logprobs = top_logprobs(raw_logprobs[row], result.token_id, seqs[i].params.logprobs)
         return results
 
     def _apply_logit_bias_and_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
