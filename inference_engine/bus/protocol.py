@@ -22,8 +22,9 @@ Keys (``{p}`` is the namespace prefix, ``llmserve`` by default)
                             ``max_queue``, and the total stays below ``2 * max_queue``.
 ``{p}:util:{model}``        Tokenize / detokenize requests, same group; read every step regardless of load
                             (they need the engine's tokenizer, not a batch slot) and answered at once.
-``{p}:out:{request_id}``    Output stream of one request, written only by the engine; ``EXPIRE`` refreshed
-                            on every write (``output_ttl``). A stream, not pub/sub: late readers lose nothing.
+``{p}:out:{request_id}``    Output stream of one request, written only by the engine; ``EXPIRE``
+                            (``output_ttl``) set on its first and last write and refreshed every quarter TTL
+                            in between. A stream, not pub/sub: late readers lose nothing.
 ``{p}:rid:{request_id}``    ``SET NX`` by the client when it submits: a request id is accepted once
                             (``id_ttl``), so duplicates never run twice.
 ``{p}:abort:{request_id}``  Abort marker (``SET`` with TTL) checked by the engine when it picks a request up.

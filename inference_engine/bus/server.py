@@ -76,6 +76,7 @@ class EngineServer:
         self._live: dict[str, _Live] = {}
         self._writes: list[tuple[str, dict[str, Any]]] = []
         self._done: list[tuple[str, str]] = []  # (stream, entry id) to XACK + XDEL after the writes
+        self._expire_set: dict[str, float] = {}  # request id -> when its output stream's TTL was last set
         self._abort_cursor = "0-0"
         self._stopping = threading.Event()
         self._accepting = True
@@ -130,6 +131,7 @@ class EngineServer:
         self._live.clear()
         self._writes.clear()
         self._done.clear()
+        self._expire_set.clear()
         delay = 0.1
         while not self._stopping.is_set():
             try:
@@ -347,11 +349,19 @@ class EngineServer:
         """Write this iteration's output entries, then acknowledge finished requests, in one round trip."""
         if not self._writes and not self._done:
             return
+        now, ttl = time.monotonic(), self.settings.output_ttl
         with self.redis.pipeline(transaction=False) as pipe:
             for rid, message in self._writes:
                 pipe.xadd(self.keys.output(rid), P.encode(message))
+            # Not on every delta: with dozens of streams that doubled the commands of each step.
             for rid in {rid for rid, _ in self._writes}:
-                pipe.expire(self.keys.output(rid), self.settings.output_ttl)
+                running = rid in self._live
+                if not running or now - self._expire_set.get(rid, -ttl) >= ttl / 4:
+                    pipe.expire(self.keys.output(rid), ttl)
+                    if running:
+                        self._expire_set[rid] = now
+                    else:
+                        self._expire_set.pop(rid, None)
             for stream, entry_id in self._done:
                 pipe.xack(stream, P.GROUP, entry_id)
                 pipe.xdel(stream, entry_id)
