@@ -7,7 +7,7 @@ builds one `AttentionMetadata` per step, shared by all layers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,9 +23,27 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
 
+    _per_token: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+
     @property
     def decode_only(self) -> bool:
         return self.max_query_len == 1
+
+    def per_token(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every query token as a one-token query of its own: (block tables, causal lengths) per token.
+
+        A prefill token at position p attends to the first p + 1 cached tokens of its sequence, exactly
+        like a decode, so one decode kernel serves prefill chunks too. Computed once per step.
+        """
+        if self._per_token is None:
+            q_lens = torch.tensor(self.query_lens)
+            device = self.block_tables.device
+            tables = self.block_tables.repeat_interleave(q_lens.to(device), dim=0)
+            starts = self.query_start_loc[:-1].cpu()
+            first = torch.repeat_interleave(torch.tensor(self.context_lens) + 1 - starts, q_lens)
+            lens = (first + torch.arange(len(first))).to(device=device, dtype=torch.int32)
+            self._per_token = (tables, lens)
+        return self._per_token
 
 
 def get_backend(name: str):

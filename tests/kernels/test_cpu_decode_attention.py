@@ -98,3 +98,59 @@ def test_can_be_switched_off():
     env = {**os.environ, "LLMSERVE_CPU_KERNELS": "0"}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
+
+
+# (seq_lens, query_lens, block_size, dtype): decodes (1), whole prompts (query = seq) and chunks on top of
+# a cached prefix, mixed in one step as the scheduler builds them.
+MIXED = [
+    ([40, 17, 1, 64], [40, 1, 1, 30], 16, BF16),
+    ([5, 300, 33], [5, 120, 1], 8, F32),
+    ([129, 2], [129, 2], 32, BF16),
+    (random.Random(4).choices(range(50, 200), k=6), [1, 50, 7, 1, 49, 16], 16, BF16),
+]
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "pytorch"])
+@pytest.mark.parametrize(("seq_lens", "query_lens", "block_size", "dtype"), MIXED)
+def test_backend_matches_extend_reference(
+    paged_kv, rand, assert_close, monkeypatch, native, seq_lens, query_lens, block_size, dtype
+):
+    """The CPU backend on a whole step, each prefill token run as a query of the decode kernel (or, without
+    the kernel, through SDPA), against the per-sequence causal reference."""
+    from inference_engine.attention import AttentionMetadata
+    from inference_engine.attention.torch_backend import forward
+    from kernels import paged_extend_attention_ref
+
+    if not native:
+        monkeypatch.setattr(cpu_kernels, "paged_decode", lambda *args: None)
+    kv = paged_kv(seq_lens, block_size, 3, 64, dtype)
+    # The new tokens' K/V are already in the cache here; the backend stores them again (same values).
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    k_new, v_new, slots = [], [], []
+    for b, (length, n) in enumerate(zip(seq_lens, query_lens, strict=True)):
+        for pos in range(length - n, length):
+            block = int(kv.block_tables[b, pos // block_size])
+            k_new.append(kv.k_cache[block, pos % block_size])
+            v_new.append(kv.v_cache[block, pos % block_size])
+            slots.append(block * block_size + pos % block_size)
+    q = rand(starts[-1], 9, 64, dtype=dtype)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=kv.seq_lens,
+        block_tables=kv.block_tables,
+        query_lens=query_lens,
+        context_lens=[s - n for s, n in zip(seq_lens, query_lens, strict=True)],
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+    )
+    ref = paged_extend_attention_ref(
+        q, kv.k_cache, kv.v_cache, kv.block_tables, meta.query_start_loc, kv.seq_lens, 0.125, max(query_lens)
+    )
+    if not native:  # the PyTorch path reads padding (see above): give unowned slots finite values
+        kv.k_cache.nan_to_num_(7.0)
+        kv.v_cache.nan_to_num_(-7.0)
+    out = forward(q, torch.stack(k_new), torch.stack(v_new), kv.k_cache, kv.v_cache, meta, 0.125)
+    assert_close(out, ref)
