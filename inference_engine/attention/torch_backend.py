@@ -14,7 +14,8 @@ from itertools import accumulate
 import torch
 import torch.nn.functional as F
 
-from inference_engine.attention import AttentionMetadata, cpu_kernels
+from inference_engine import cpu_kernels
+from inference_engine.attention import AttentionMetadata
 
 
 def store_kv(

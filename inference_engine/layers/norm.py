@@ -4,6 +4,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from inference_engine import cpu_kernels
+
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in fp32, with the residual add fused in (returns the new residual too)."""
@@ -17,6 +19,9 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is not None:
+            fused = cpu_kernels.add_rms_norm(x, residual, self.weight, self.eps)
+            if fused is not None:
+                return fused
             x = x + residual
             residual = x
         # One fused op (fp32 inside, like transformers' LlamaRMSNorm) instead of seven small ones.

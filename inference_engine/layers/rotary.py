@@ -7,6 +7,8 @@ import math
 import torch
 from torch import nn
 
+from inference_engine import cpu_kernels
+
 
 def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     # Computed in fp32 exactly as transformers does, so fp32 runs match it bit for bit.
@@ -41,7 +43,10 @@ class RotaryEmbedding(nn.Module):
         self._positions: torch.Tensor | None = None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """x: [tokens, heads, head_dim], queries and keys together. Computed in fp32, as transformers does."""
+        """x: [tokens, heads, head_dim], queries and keys together. Computed in fp32, as transformers does;
+        in place where the native bf16 kernel runs (x is then returned), else into a new tensor."""
+        if cpu_kernels.rotary_(x, positions, self.cos, self.sin):
+            return x
         if positions is not self._positions:
             self._positions = positions
             self._cos, self._sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)

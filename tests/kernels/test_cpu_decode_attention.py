@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from inference_engine.attention import cpu_kernels
+from inference_engine import cpu_kernels
 from inference_engine.attention.torch_backend import decode_reference
 from kernels import paged_decode_attention_ref
 
@@ -94,7 +94,7 @@ def test_declines_what_it_cannot_run(paged_kv, rand):
 
 
 def test_can_be_switched_off():
-    code = "from inference_engine.attention import cpu_kernels; print(cpu_kernels.available())"
+    code = "from inference_engine import cpu_kernels; print(cpu_kernels.available())"
     env = {**os.environ, "LLMSERVE_CPU_KERNELS": "0"}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"

@@ -28,12 +28,12 @@ static inline float bf16_to_float(uint16_t x) {
     return f;
 }
 
+/* Round to nearest even, as torch does; NaN stays a (quiet) NaN. Branch-free, so loops vectorise. */
 static inline uint16_t float_to_bf16(float f) {
     uint32_t bits;
     memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* quiet NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even, as torch does */
-    return (uint16_t)(bits >> 16);
+    uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16, quiet = (bits >> 16) | 0x40u;
+    return (uint16_t)((bits & 0x7fffffffu) > 0x7f800000u ? quiet : rounded);
 }
 
 /* exp(x) for x <= 0 as 2^n * 2^r with |r| <= 1/2 and a degree-6 Taylor polynomial (error ~1e-7,

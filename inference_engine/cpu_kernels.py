@@ -2,10 +2,12 @@
 
 Why not PyTorch: decode attention over a paged cache in PyTorch must first gather every sequence's
 blocks into a padded copy and then run a masked SDPA that handles a handful of query rows per head
-poorly; on this project's 2-core reference machine that was half of a decode step. The C kernel in
-`csrc/` reads the cache in place. It is plain C (no PyTorch headers), so building it takes about a
-second; the shared object is cached per source, compiler flags and CPU. Without a compiler, or with
-LLMSERVE_CPU_KERNELS=0, `paged_decode` returns None and callers use their PyTorch path.
+poorly, and a decode step of a small model is hundreds of elementwise ops that each cost more in
+dispatch than in arithmetic. On this project's 2-core reference machine those were over half of a
+step. `csrc/paged_decode.c` reads the cache in place; `csrc/fused_ops.c` fuses the residual add with
+RMSNorm, and the rotary embedding (bf16). Plain C, no PyTorch headers, so the build takes
+about a second; the shared object is cached per source, compiler flags and CPU. Without a compiler,
+or with LLMSERVE_CPU_KERNELS=0, every function here returns None and callers use their PyTorch path.
 """
 
 from __future__ import annotations
@@ -25,11 +27,12 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
+_SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_decode.c", "fused_ops.c")]
 _FLAGS = [
     "-O3",
     "-march=native",
     "-fopenmp",
+    "-ffp-contract=off",  # a * b + c rounded as PyTorch rounds it, not fused
     "-fno-math-errno",
     "-fno-trapping-math",
     "-fassociative-math",  # lets the compiler vectorise fp32 dot products (reassociates the sums)
@@ -59,21 +62,21 @@ def _library() -> ctypes.CDLL | None:
         return None
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
-        logger.warning("no C compiler found: CPU decode attention runs in plain PyTorch (slower)")
+        logger.warning("no C compiler found: CPU attention and elementwise layers run in PyTorch (slower)")
         return None
-    source = _SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in _SOURCES)
     key = hashlib.sha256(source + " ".join([compiler, *_FLAGS, _cpu_model()]).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"paged_decode-{key}.so"
+    target = _cache_dir() / f"llmserve-cpu-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         # Build beside the target and rename, so concurrent engine processes never load a partial file.
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
             result = subprocess.run(
-                [compiler, *_FLAGS, str(_SOURCE), "-o", str(built)], capture_output=True, text=True
+                [compiler, *_FLAGS, *map(str, _SOURCES), "-o", str(built)], capture_output=True, text=True
             )
             if result.returncode != 0:
-                logger.warning("building the CPU decode kernel failed, using PyTorch:\n%s", result.stderr)
+                logger.warning("building the CPU kernels failed, using PyTorch:\n%s", result.stderr)
                 return None
             os.replace(built, target)
     lib = ctypes.CDLL(str(target))
@@ -91,6 +94,11 @@ def _library() -> ctypes.CDLL | None:
         ctypes.c_float,
         ctypes.c_int,
     ]
+    ptr, i32 = ctypes.c_void_p, ctypes.c_int
+    lib.add_rms_norm_bf16.argtypes = [ptr, ptr, ptr, ptr, ptr, i32, i32, ctypes.c_float, i32]
+    lib.rotary_bf16.argtypes = [ptr, ctypes.c_long, ptr, ptr, ptr, i32, i32, i32, i32]
+    for fn in (lib.add_rms_norm_bf16, lib.rotary_bf16):
+        fn.restype = None
     return lib
 
 
@@ -141,3 +149,45 @@ def paged_decode(
         torch.get_num_threads(),
     )
     return out if status == 0 else None
+
+
+def _bf16_rows(*tensors: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" and t.dtype == torch.bfloat16 and t.is_contiguous() for t in tensors)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(weight * rmsnorm(x + residual), x + residual) for bf16 rows, or None where it can't run."""
+    lib = _library()
+    if lib is None or not _bf16_rows(x, residual, weight) or x.shape != residual.shape:
+        return None
+    new_residual, out = torch.empty_like(x), torch.empty_like(x)
+    hidden = x.shape[-1]
+    lib.add_rms_norm_bf16(
+        x.data_ptr(), residual.data_ptr(), new_residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
+        x.numel() // hidden, hidden, eps, torch.get_num_threads(),
+    )
+    return out, new_residual
+
+
+def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Rotates x [tokens, heads, head_dim] (rows may be strided) in place; False where it can't run."""
+    lib = _library()
+    if (
+        lib is None
+        or x.device.type != "cpu"
+        or x.dtype != torch.bfloat16
+        or x.stride(2) != 1
+        or x.stride(1) != x.shape[2]
+        or positions.dtype != torch.int64
+        or not (positions.is_contiguous() and cos.is_contiguous() and sin.is_contiguous())
+        or cos.dtype != torch.float32
+    ):
+        return False
+    tokens, heads, head_dim = x.shape
+    lib.rotary_bf16(
+        x.data_ptr(), x.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens, heads,
+        head_dim, torch.get_num_threads(),
+    )
+    return True

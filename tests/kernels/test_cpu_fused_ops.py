@@ -1,0 +1,56 @@
+"""The native fused bf16 layers (residual add + RMSNorm, rotary) against the PyTorch ops they replace."""
+
+import pytest
+import torch
+
+from inference_engine import cpu_kernels
+from inference_engine.layers.rotary import RotaryEmbedding
+
+BF16 = torch.bfloat16
+
+
+@pytest.mark.parametrize(("rows", "hidden"), [(1, 64), (26, 576), (300, 576), (2048, 1024), (3, 4096)])
+def test_add_rms_norm_matches_pytorch(rows, hidden):
+    gen = torch.Generator().manual_seed(rows * hidden)
+    x, residual = (torch.randn(rows, hidden, generator=gen).to(BF16) * 3 for _ in range(2))
+    weight = torch.randn(hidden, generator=gen).to(BF16)
+    out, summed = cpu_kernels.add_rms_norm(x, residual, weight, 1e-5)
+    expected_sum = x + residual
+    assert torch.equal(summed, expected_sum)
+    # transformers' LlamaRMSNorm: normalise in fp32, round to bf16, then scale by the weight and round
+    # again. (F.rms_norm rounds once, and so differs from it by one bf16 step in about a quarter of the
+    # elements of such inputs.) Only the order of our sum of squares differs from this.
+    h = expected_sum.float()
+    expected = weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).to(BF16)
+    torch.testing.assert_close(out.float(), expected.float(), rtol=2**-7, atol=1e-6)
+    assert (out != expected).float().mean() < 0.001
+
+
+@pytest.mark.parametrize(
+    ("tokens", "heads", "head_dim"), [(1, 12, 64), (26, 12, 64), (300, 40, 128), (7, 3, 80)]
+)
+def test_rotary_matches_pytorch_exactly(monkeypatch, tokens, heads, head_dim):
+    gen = torch.Generator().manual_seed(tokens)
+    rotary = RotaryEmbedding(head_dim, 4096, 10000.0)
+    positions = torch.randint(0, 4096, (tokens,), generator=gen)
+    # Queries and keys as the model passes them: the leading heads of a wider qkv row.
+    qkv = torch.randn(tokens, heads + 4, head_dim, generator=gen).to(BF16)
+    with monkeypatch.context() as m:
+        m.setattr(cpu_kernels, "rotary_", lambda *args: False)
+        expected = rotary(positions, qkv[:, :heads])
+    untouched = qkv[:, heads:].clone()
+    out = rotary(positions, qkv[:, :heads])
+    assert out.data_ptr() == qkv.data_ptr()  # rotated in place
+    assert torch.equal(out, expected)
+    assert torch.equal(qkv[:, heads:], untouched)  # values beyond the rotated heads are left alone
+
+
+def test_declines_what_it_cannot_run():
+    x = torch.randn(4, 64)
+    assert cpu_kernels.add_rms_norm(x, x, torch.ones(64), 1e-5) is None  # fp32: PyTorch's path
+    xb = x.to(BF16)
+    assert cpu_kernels.add_rms_norm(xb.t(), xb.t(), torch.ones(4, dtype=BF16), 1e-5) is None  # strided
+    rotary = RotaryEmbedding(64, 128, 10000.0)
+    assert not cpu_kernels.rotary_(x.view(4, 1, 64), torch.arange(4), rotary.cos, rotary.sin)
+    odd_heads = torch.randn(4, 64, 2).to(BF16).transpose(1, 2)  # head_dim not contiguous
+    assert not cpu_kernels.rotary_(odd_heads, torch.arange(4), rotary.cos, rotary.sin)
