@@ -142,6 +142,15 @@ class BlockManager:
         self.free_cpu_blocks(seq)
         return copies
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached block, as vLLM's reset_prefix_cache (e.g. between benchmark runs);
+        refused (False) while any sequence holds blocks."""
+        if len(self.free) != self.num_blocks:
+            return False
+        self.cached.clear()
+        self.block_keys = [None] * self.num_blocks
+        return True
+
     def free_cpu_blocks(self, seq: Sequence) -> None:
         self.free_cpu.extend(seq.cpu_block_table)
         seq.cpu_block_table = []

@@ -144,6 +144,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
 
+    def reset_prefix_cache(self) -> bool:
+        """Drops the prefix cache; False (and nothing dropped) while requests hold KV blocks."""
+        return self.block_manager.reset_prefix_cache()
+
     # --- the loop ---------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:

@@ -88,3 +88,21 @@ def make_seq_match(bm: BlockManager, tokens: list[int]) -> int:
     hit = bm.match_prefix(probe)
     bm.free_seq(probe)
     return hit
+
+
+def test_reset_prefix_cache_forgets_cached_blocks_only_when_idle():
+    bm = BlockManager(num_blocks=10, block_size=4)
+    first = make_seq(list(range(9)))
+    compute(bm, first)
+    holder = make_seq(list(range(100, 104)), seq_id=1)
+    compute(bm, holder)
+    bm.free_seq(first)
+    assert not bm.reset_prefix_cache()  # `holder` still holds a block: refused, nothing dropped
+    again = make_seq(list(range(9)), seq_id=2)
+    assert bm.match_prefix(again) == 8
+    bm.free_seq(again)
+    bm.free_seq(holder)
+    assert bm.reset_prefix_cache()
+    fresh = make_seq(list(range(9)), seq_id=3)
+    assert bm.match_prefix(fresh) == 0
+    assert bm.num_free_blocks == 10
