@@ -67,19 +67,14 @@ def _library() -> ctypes.CDLL | None:
     source = b"".join(path.read_bytes() for path in _SOURCES)
     key = hashlib.sha256(source + " ".join([compiler, *_FLAGS, _cpu_model()]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"llmserve-cpu-{key}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        # Build beside the target and rename, so concurrent engine processes never load a partial file.
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built = Path(tmp) / target.name
-            result = subprocess.run(
-                [compiler, *_FLAGS, *map(str, _SOURCES), "-o", str(built)], capture_output=True, text=True
-            )
-            if result.returncode != 0:
-                logger.warning("building the CPU kernels failed, using PyTorch:\n%s", result.stderr)
-                return None
-            os.replace(built, target)
-    lib = ctypes.CDLL(str(target))
+    try:
+        if not target.exists():
+            _build(compiler, target)
+        lib = ctypes.CDLL(str(target))
+    except (OSError, subprocess.CalledProcessError) as exc:  # no writable cache, compile error, bad .so
+        detail = exc.stderr if isinstance(exc, subprocess.CalledProcessError) else exc
+        logger.warning("CPU kernels unavailable, using PyTorch (slower): %s", detail)
+        return None
     lib.paged_decode.restype = ctypes.c_int
     lib.paged_decode.argtypes = [
         ctypes.c_void_p,
@@ -100,6 +95,16 @@ def _library() -> ctypes.CDLL | None:
     for fn in (lib.add_rms_norm_bf16, lib.rotary_bf16):
         fn.restype = None
     return lib
+
+
+def _build(compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Built beside the target and renamed, so concurrent engine processes never load a partial file.
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        command = [compiler, *_FLAGS, *map(str, _SOURCES), "-o", str(built)]
+        subprocess.run(command, capture_output=True, text=True, check=True)
+        os.replace(built, target)
 
 
 def available() -> bool:

@@ -154,3 +154,17 @@ def test_backend_matches_extend_reference(
         kv.v_cache.nan_to_num_(-7.0)
     out = forward(q, torch.stack(k_new), torch.stack(v_new), kv.k_cache, kv.v_cache, meta, 0.125)
     assert_close(out, ref)
+
+
+def test_unwritable_cache_falls_back_to_pytorch(tmp_path):
+    """A home without a writable cache (a locked-down service account) costs speed, never the engine."""
+    blocked = tmp_path / "cache"
+    blocked.write_text("a file where the cache folder should be")
+    code = (
+        "import torch; from inference_engine import cpu_kernels; x = torch.ones(2, 8, dtype=torch.bfloat16); "
+        "print(cpu_kernels.available(), cpu_kernels.add_rms_norm(x, x, x[0], 1e-5))"
+    )
+    env = {**os.environ, "XDG_CACHE_HOME": str(blocked)}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert result.stdout.split() == ["False", "None"]
+    assert "CPU kernels unavailable" in result.stderr
