@@ -29,10 +29,14 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
-        """logits: [len(seqs), vocab] in fp32, on the CPU; modified in place.
+        """logits: [len(seqs), vocab] on the CPU, in the model's dtype; modified in place once in fp32.
 
-        Logprobs (a full pass over the vocabulary) are computed only for the rows that asked for them.
+        Logprobs (a full pass over the vocabulary) are computed only for the rows that asked for them, and
+        a batch of plain greedy rows is decided on the logits as they come (argmax needs no fp32 copy).
         """
+        if all(self._plain_greedy(s) for s in seqs):
+            return [SampleResult(token, 0.0, None) for token in logits.argmax(dim=-1).tolist()]
+        logits = logits.float()
         wanted = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits[wanted], dim=-1) if wanted else None
         self._apply_logit_bias_and_min_tokens(logits, seqs)
@@ -52,6 +56,19 @@ class Sampler:
             result.logprob = float(raw_logprobs[row, result.token_id])
             result.top_logprobs = top_logprobs(raw_logprobs[row], result.token_id, seqs[i].params.logprobs)
         return results
+
+    def _plain_greedy(self, seq: Sequence) -> bool:
+        """Greedy with nothing that changes the logits first and no logprobs to report."""
+        params = seq.params
+        return (
+            params.greedy
+            and params.logprobs is None
+            and not params.logit_bias
+            and seq.num_output_tokens >= params.min_tokens
+            and params.repetition_penalty == 1.0
+            and not params.presence_penalty
+            and not params.frequency_penalty
+        )
 
     def _apply_logit_bias_and_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         vocab = logits.shape[1]
