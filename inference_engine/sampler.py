@@ -29,14 +29,13 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
-        """logits: [len(seqs), vocab] on the CPU, in the model's dtype; modified in place once in fp32.
+        """logits: [len(seqs), vocab] in fp32, on the CPU; modified in place.
 
         Logprobs (a full pass over the vocabulary) are computed only for the rows that asked for them, and
-        a batch of plain greedy rows is decided on the logits as they come (argmax needs no fp32 copy).
+        a batch of plain greedy rows is one argmax.
         """
         if all(self._plain_greedy(s) for s in seqs):
             return [SampleResult(token, 0.0, None) for token in logits.argmax(dim=-1).tolist()]
-        logits = logits.float()
         wanted = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits[wanted], dim=-1) if wanted else None
         self._apply_logit_bias_and_min_tokens(logits, seqs)
