@@ -190,7 +190,8 @@ def plot(result: dict, path: Path) -> None:
     axes[1].legend()
     axes[2].bar(names, [100 * ours["kv_waste"], 100 * static["kv_waste"]], color=["tab:blue", "tab:gray"])
     axes[2].set_title("KV waste (% of allocated slots)")
-    fig.suptitle(f"{result['workload']} — {result['dtype']}, {result['threads']} threads")
+    setup = f"{result['dtype']}, {result['threads']} threads, median of {result['repeats']} runs"
+    fig.suptitle(f"{result['workload']} — {setup}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

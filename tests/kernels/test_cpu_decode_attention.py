@@ -107,6 +107,9 @@ MIXED = [
     ([5, 300, 33], [5, 120, 1], 8, F32),
     ([129, 2], [129, 2], 32, BF16),
     (random.Random(4).choices(range(50, 200), k=6), [1, 50, 7, 1, 49, 16], 16, BF16),
+    # Past NATIVE_PROMPT_MAX a prompt goes through SDPA while the rest of the step stays native.
+    ([1100, 40, 300], [60, 40, 1], 16, BF16),
+    ([1030, 1200], [1030, 1], 32, F32),
 ]
 
 
