@@ -107,9 +107,10 @@ MIXED = [
     ([5, 300, 33], [5, 120, 1], 8, F32),
     ([129, 2], [129, 2], 32, BF16),
     (random.Random(4).choices(range(50, 200), k=6), [1, 50, 7, 1, 49, 16], 16, BF16),
-    # Past NATIVE_PROMPT_MAX a prompt goes through SDPA while the rest of the step stays native.
-    ([1100, 40, 300], [60, 40, 1], 16, BF16),
-    ([1030, 1200], [1030, 1], 32, F32),
+    # Past NATIVE_PROMPT_MAX (lowered to 100 for the test) a prompt goes through SDPA while the rest of
+    # the step stays native.
+    ([140, 40, 300], [60, 40, 1], 16, BF16),
+    ([130, 200], [130, 1], 32, F32),
 ]
 
 
@@ -120,12 +121,12 @@ def test_backend_matches_extend_reference(
 ):
     """The CPU backend on a whole step, each prefill token run as a query of the decode kernel (or, without
     the kernel, through SDPA), against the per-sequence causal reference."""
-    from inference_engine.attention import AttentionMetadata
-    from inference_engine.attention.torch_backend import forward
+    from inference_engine.attention import AttentionMetadata, torch_backend
     from kernels import paged_extend_attention_ref
 
     if not native:
         monkeypatch.setattr(cpu_kernels, "paged_decode", lambda *args: None)
+    monkeypatch.setattr(torch_backend, "NATIVE_PROMPT_MAX", 100)
     kv = paged_kv(seq_lens, block_size, 3, 64, dtype)
     # The new tokens' K/V are already in the cache here; the backend stores them again (same values).
     starts = [0]
@@ -155,7 +156,8 @@ def test_backend_matches_extend_reference(
     if not native:  # the PyTorch path reads padding (see above): give unowned slots finite values
         kv.k_cache.nan_to_num_(7.0)
         kv.v_cache.nan_to_num_(-7.0)
-    out = forward(q, torch.stack(k_new), torch.stack(v_new), kv.k_cache, kv.v_cache, meta, 0.125)
+    k, v = torch.stack(k_new), torch.stack(v_new)
+    out = torch_backend.forward(q, k, v, kv.k_cache, kv.v_cache, meta, 0.125)
     assert_close(out, ref)
 
 
