@@ -27,7 +27,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_decode.c", "fused_ops.c")]
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCES = [_CSRC / "paged_decode.c", _CSRC / "fused_ops.c"]
+_HEADERS = [_CSRC / "bf16.h"]
 _FLAGS = [
     "-O3",
     "-march=native",
@@ -64,7 +66,7 @@ def _library() -> ctypes.CDLL | None:
     if compiler is None:
         logger.warning("no C compiler found: CPU attention and elementwise layers run in PyTorch (slower)")
         return None
-    source = b"".join(path.read_bytes() for path in _SOURCES)
+    source = b"".join(path.read_bytes() for path in [*_SOURCES, *_HEADERS])
     key = hashlib.sha256(source + " ".join([compiler, *_FLAGS, _cpu_model()]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"llmserve-cpu-{key}.so"
     try:

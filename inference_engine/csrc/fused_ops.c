@@ -10,20 +10,7 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float bf16_to_float(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-/* Round to nearest even, as torch does; NaN stays a (quiet) NaN. Branch-free, so loops vectorise. */
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16, quiet = (bits >> 16) | 0x40u;
-    return (uint16_t)((bits & 0x7fffffffu) > 0x7f800000u ? quiet : rounded);
-}
+#include "bf16.h"
 
 static inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
 

@@ -17,24 +17,11 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 16
 #define MAX_BLOCK 64
-
-static inline float bf16_to_float(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-/* Round to nearest even, as torch does; NaN stays a (quiet) NaN. Branch-free, so loops vectorise. */
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16, quiet = (bits >> 16) | 0x40u;
-    return (uint16_t)((bits & 0x7fffffffu) > 0x7f800000u ? quiet : rounded);
-}
 
 /* exp(x) for x <= 0 as 2^n * 2^r with |r| <= 1/2 and a degree-6 Taylor polynomial (error ~1e-7,
  * an ulp or so): unlike libm's expf it vectorises, and it was a third of the kernel's time. */
@@ -46,6 +33,17 @@ static inline float exp_nonpositive(float x) {
     float scale;
     memcpy(&scale, &bits, sizeof scale);
     return p * scale;
+}
+
+/* One cached row of head_dim values as fp32. */
+static inline __attribute__((always_inline)) void load_row(const void *cache, long off, int head_dim, int is_bf16,
+                                                           float *row) {
+    if (is_bf16) {
+        const uint16_t *src = (const uint16_t *)cache + off;
+        for (int d = 0; d < head_dim; d++) row[d] = bf16_to_float(src[d]);
+    } else {
+        memcpy(row, (const float *)cache + off, sizeof(float) * head_dim);
+    }
 }
 
 /* One (sequence, KV head): `group` query heads attend to `len` cached tokens. q/out rows are fp32.
@@ -64,13 +62,7 @@ static inline __attribute__((always_inline)) void attend(const float *q, int gro
         int n = len - start < block_size ? len - start : block_size;
         long base = (long)table[start / block_size] * block_size * row_stride;
         for (int t = 0; t < n; t++) {
-            long off = base + (long)t * row_stride;
-            if (is_bf16) {
-                const uint16_t *k = (const uint16_t *)k_cache + off;
-                for (int d = 0; d < head_dim; d++) row[d] = bf16_to_float(k[d]);
-            } else {
-                memcpy(row, (const float *)k_cache + off, sizeof(float) * head_dim);
-            }
+            load_row(k_cache, base + (long)t * row_stride, head_dim, is_bf16, row);
             for (int g = 0; g < group; g++) {
                 const float *qg = q + g * head_dim;
                 float dot = 0.f;
@@ -92,13 +84,7 @@ static inline __attribute__((always_inline)) void attend(const float *q, int gro
             m[g] = block_max;
         }
         for (int t = 0; t < n; t++) {
-            long off = base + (long)t * row_stride;
-            if (is_bf16) {
-                const uint16_t *v = (const uint16_t *)v_cache + off;
-                for (int d = 0; d < head_dim; d++) row[d] = bf16_to_float(v[d]);
-            } else {
-                memcpy(row, (const float *)v_cache + off, sizeof(float) * head_dim);
-            }
+            load_row(v_cache, base + (long)t * row_stride, head_dim, is_bf16, row);
             for (int g = 0; g < group; g++) {
                 float p = s[g][t];
                 float *o = out + g * head_dim;
