@@ -181,3 +181,37 @@ def test_async_client_streams_and_cancels(redis_server, prefix, engine, serve):
             await client.close()
 
     asyncio.run(main())
+
+
+def test_async_cancellation_is_never_swallowed(redis_server, prefix, engine, serve):
+    """Consumers cancelled at staggered moments all stop with CancelledError and abort their requests:
+    redis-py drops a cancellation that lands while a blocking read times out, so the client checks."""
+    serve()
+
+    async def main():
+        client = AsyncEngineClient(redis_server.url, prefix=prefix, ack_timeout=5, stream_timeout=5)
+        try:
+            params = {"max_tokens": 400, "ignore_eos": True}
+            streams = [await client.generate(MODEL, f"count to {i}", params) for i in range(8)]
+
+            async def consume(stream):
+                async for _ in stream:
+                    pass
+
+            tasks = [asyncio.create_task(consume(stream)) for stream in streams]
+            for task in tasks:
+                await asyncio.sleep(0.07)
+                task.cancel()
+            for task in tasks:
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+            for _ in range(250):
+                if not engine.has_unfinished_requests():
+                    break
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.05)
+            assert_idle(engine)
+        finally:
+            await client.close()
+
+    asyncio.run(main())
