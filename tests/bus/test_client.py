@@ -145,6 +145,16 @@ def test_list_models(client, engine, serve):
     assert replica.num_blocks == replica.num_free_blocks == engine.block_manager.num_blocks
 
 
+async def _settled(engine) -> None:
+    """Waits (up to 5 s) for the serving thread to drop the engine's last request, then checks it is idle."""
+    for _ in range(250):
+        if not engine.has_unfinished_requests():
+            break
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(0.05)  # let the serving thread finish the iteration that emptied the engine
+    assert_idle(engine)
+
+
 def test_async_client_streams_and_cancels(redis_server, prefix, engine, serve):
     params = {"max_tokens": 4, "temperature": 0}
     expected = generate_offline(engine, "hey", params).outputs[0].text
@@ -170,12 +180,7 @@ def test_async_client_streams_and_cancels(redis_server, prefix, engine, serve):
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-            for _ in range(250):
-                if not engine.has_unfinished_requests():
-                    break
-                await asyncio.sleep(0.02)
-            await asyncio.sleep(0.05)
-            assert_idle(engine)
+            await _settled(engine)
             assert engine.generation_tokens_total - before < 500
         finally:
             await client.close()
@@ -205,12 +210,7 @@ def test_async_cancellation_is_never_swallowed(redis_server, prefix, engine, ser
             for task in tasks:
                 with pytest.raises(asyncio.CancelledError):
                     await task
-            for _ in range(250):
-                if not engine.has_unfinished_requests():
-                    break
-                await asyncio.sleep(0.02)
-            await asyncio.sleep(0.05)
-            assert_idle(engine)
+            await _settled(engine)
         finally:
             await client.close()
 
