@@ -1,11 +1,12 @@
 """Paged attention in PyTorch: the CPU backend (and a fallback wherever Triton is missing).
 
-Where the native CPU kernel of `cpu_kernels` is available, every decode, and every prompt token of a
-sequence up to NATIVE_PROMPT_MAX long, is one query of that kernel, which reads the paged cache in
-place up to the token's own position. Otherwise single-token queries gather their sequences' K/V
-through the block tables into one padded batch and run one masked scaled_dot_product_attention, and
-prefill chunks go sequence by sequence through SDPA (a chunk with no cached prefix attends to its own
-fresh K/V without touching the cache).
+Where the native CPU kernel of `cpu_kernels` is available, every decode, and every new token of a
+sequence that brings at most NATIVE_QUERY_MAX of them, is one query of that kernel, which reads the
+paged cache in place up to the token's own position. Otherwise single-token queries gather their
+sequences' K/V through the block tables into one padded batch and run one masked
+scaled_dot_product_attention. Longer prefill chunks go sequence by sequence through SDPA, whose
+GEMM-based flash kernel wins from a few dozen query tokens on (a chunk with no cached prefix attends to
+its own fresh K/V without touching the cache).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from inference_engine import cpu_kernels
 from inference_engine.attention import AttentionMetadata
 
-NATIVE_PROMPT_MAX = 4096  # longest sequence whose prompt tokens run on the native kernel (see forward)
+NATIVE_QUERY_MAX = 32  # most new tokens of one sequence that run on the native kernel (see forward)
 
 
 def store_kv(
@@ -41,16 +42,12 @@ def forward(
     if meta.decode_only:
         return _decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
     starts = list(accumulate(meta.query_lens, initial=0))
-    seq_lens = [c + n for c, n in zip(meta.context_lens, meta.query_lens, strict=True)]
-    # Prompt tokens as one-token queries of the native kernel (each up to its own position): measured 2x
-    # faster than the CPU's flash SDPA at 300 tokens, 1.4x at 1,024, even at 4,096; past that, flash's
-    # tiling pays off.
-    by_token = [
-        b
-        for b, (n, length) in enumerate(zip(meta.query_lens, seq_lens, strict=True))
-        if n == 1 or length <= NATIVE_PROMPT_MAX
-    ]
-    if len(by_token) == len(seq_lens):
+    # Short chunks as one-token queries of the native kernel, each up to its own position; longer ones
+    # through SDPA. Measured (bf16, 2 threads, 9 heads / 3 KV heads, AMX CPU), native vs SDPA: 16 fresh
+    # tokens 0.036 vs 0.055 ms, 32: 0.062 vs 0.070, 64: 0.145 vs 0.092, 300: 1.97 vs 0.92, 2,000: 92 vs
+    # 13.5; 100 tokens on a 300-token prefix 1.40 vs 0.56 ms.
+    by_token = [b for b, n in enumerate(meta.query_lens) if n <= NATIVE_QUERY_MAX]
+    if len(by_token) == len(meta.query_lens):
         out = cpu_kernels.paged_decode(q, k_cache, v_cache, *meta.per_token(), scale)
         if out is not None:
             return out

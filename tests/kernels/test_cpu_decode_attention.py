@@ -107,8 +107,8 @@ MIXED = [
     ([5, 300, 33], [5, 120, 1], 8, F32),
     ([129, 2], [129, 2], 32, BF16),
     (random.Random(4).choices(range(50, 200), k=6), [1, 50, 7, 1, 49, 16], 16, BF16),
-    # Past NATIVE_PROMPT_MAX (lowered to 100 for the test) a prompt goes through SDPA while the rest of
-    # the step stays native.
+    # Chunks of more than NATIVE_QUERY_MAX (32) tokens go through SDPA while the rest of the step stays
+    # native.
     ([140, 40, 300], [60, 40, 1], 16, BF16),
     ([130, 200], [130, 1], 32, F32),
 ]
@@ -119,14 +119,14 @@ MIXED = [
 def test_backend_matches_extend_reference(
     paged_kv, rand, assert_close, monkeypatch, native, seq_lens, query_lens, block_size, dtype
 ):
-    """The CPU backend on a whole step, each prefill token run as a query of the decode kernel (or, without
-    the kernel, through SDPA), against the per-sequence causal reference."""
+    """The CPU backend on a whole step, each token of a short chunk run as a query of the decode kernel and
+    longer chunks (or, without the kernel, every chunk) through SDPA, against the per-sequence causal
+    reference."""
     from inference_engine.attention import AttentionMetadata, torch_backend
     from kernels import paged_extend_attention_ref
 
     if not native:
         monkeypatch.setattr(cpu_kernels, "paged_decode", lambda *args: None)
-    monkeypatch.setattr(torch_backend, "NATIVE_PROMPT_MAX", 100)
     kv = paged_kv(seq_lens, block_size, 3, 64, dtype)
     # The new tokens' K/V are already in the cache here; the backend stores them again (same values).
     starts = [0]
