@@ -5,7 +5,7 @@
  * once per step. Softmax is online, block by block, so no buffer grows with the context length.
  * Accumulation is in fp32 whatever the cache dtype.
  *
- * Built at run time by inference_engine/attention/cpu_kernels.py with -O3 -march=native, so the plain
+ * Built at run time by inference_engine/cpu_kernels.py with -O3 -march=native, so the plain
  * loops below are vectorised for the machine at hand. Layouts (all contiguous except q's row stride):
  *   q            [batch, heads, head_dim]          row stride q_stride elements
  *   k/v_cache    [num_blocks, block_size, kv_heads, head_dim]
@@ -107,17 +107,34 @@ static inline __m512 bf16x16_to_f32(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
+/* exp_nonpositive() on 16 lanes. */
+static inline __m512 exp512_nonpositive(__m512 x) {
+    __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(1.44269504088896341f));
+    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718055994531f));
+    __m512 p = _mm512_set1_ps(1.f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
 /* attend() for bf16 caches on CPUs with AVX512-BF16, with G (query heads per KV head) and D constant
  * at each call site: q.k runs on bf16 pairs straight from the cache (vdpbf16ps, exact products, fp32
  * sums) and each head's output row stays in registers while a block's values are summed into it. */
 static inline __attribute__((always_inline)) void attend_avx512(const uint16_t *q, const int G, const int D,
                                                                 int len, int block_size, int row_stride,
                                                                 const int32_t *table, const uint16_t *k_cache,
-                                                                const uint16_t *v_cache, float scale, float *out) {
+                                                                const uint16_t *v_cache, float scale, float *out,
+                                                                int stream_rows) {
     const int NQ = D / 32, NO = D / 16; /* bf16 pairs vectors and fp32 vectors per row */
     __m512bh qv[G][NQ];
     __m512 acc[G][NO];
-    float m[G], l[G], s[G][MAX_BLOCK];
+    float m[G], l[G], s[G][MAX_BLOCK + 16]; /* room for a whole vector past n */
     for (int g = 0; g < G; g++) {
         for (int i = 0; i < NQ; i++) qv[g][i] = (__m512bh)_mm512_loadu_si512(q + g * D + 32 * i);
         for (int i = 0; i < NO; i++) acc[g][i] = _mm512_setzero_ps();
@@ -138,6 +155,16 @@ static inline __attribute__((always_inline)) void attend_avx512(const uint16_t *
                 }
             }
         }
+        if (stream_rows && start + 2 * block_size < len) {
+            /* The first KV head's task of a sequence also pulls the block after next, all heads' rows
+             * (one contiguous range), into L2: the tasks of the other heads follow it on this core
+             * and find their rows there instead of in memory. */
+            long far = (long)table[start / block_size + 2] * block_size * row_stride;
+            for (int b = 0; b < block_size * row_stride * 2; b += 64) {
+                _mm_prefetch((const char *)(k_cache + far) + b, _MM_HINT_T1);
+                _mm_prefetch((const char *)(v_cache + far) + b, _MM_HINT_T1);
+            }
+        }
         for (int t = 0; t < n; t++) {
             const uint16_t *k = k_cache + base + (long)t * row_stride;
             __m512bh kv[NQ];
@@ -148,16 +175,24 @@ static inline __attribute__((always_inline)) void attend_avx512(const uint16_t *
                 s[g][t] = _mm512_reduce_add_ps(dot) * scale;
             }
         }
+        /* Softmax of the block, 16 scores per vector; lanes past n hold p = 0. */
         for (int g = 0; g < G; g++) {
             float block_max = m[g];
-            for (int t = 0; t < n; t++) block_max = s[g][t] > block_max ? s[g][t] : block_max;
-            float correction = exp_nonpositive(m[g] - block_max), sum = l[g] * correction;
-            for (int t = 0; t < n; t++) {
-                s[g][t] = exp_nonpositive(s[g][t] - block_max);
-                sum += s[g][t];
+            for (int t0 = 0; t0 < n; t0 += 16) {
+                __mmask16 valid = n - t0 >= 16 ? 0xffff : (__mmask16)((1u << (n - t0)) - 1);
+                float chunk = _mm512_mask_reduce_max_ps(valid, _mm512_maskz_loadu_ps(valid, s[g] + t0));
+                block_max = chunk > block_max ? chunk : block_max;
+            }
+            float correction = exp_nonpositive(m[g] - block_max);
+            __m512 sums = _mm512_setzero_ps(), shift = _mm512_set1_ps(block_max);
+            for (int t0 = 0; t0 < n; t0 += 16) {
+                __mmask16 valid = n - t0 >= 16 ? 0xffff : (__mmask16)((1u << (n - t0)) - 1);
+                __m512 p = _mm512_maskz_mov_ps(valid, exp512_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s[g] + t0), shift)));
+                _mm512_storeu_ps(s[g] + t0, p);
+                sums = _mm512_add_ps(sums, p);
             }
             m[g] = block_max;
-            l[g] = sum;
+            l[g] = l[g] * correction + _mm512_reduce_add_ps(sums);
             __m512 c = _mm512_set1_ps(correction);
             for (int i = 0; i < NO; i++) acc[g][i] = _mm512_mul_ps(acc[g][i], c);
         }
@@ -200,10 +235,11 @@ static inline __attribute__((always_inline)) void attend_avx512(const uint16_t *
 
 /* The specialised kernel for the common shapes; returns 0 where it has none (the caller goes generic). */
 static int attend_bf16_fast(const uint16_t *q, int group, int head_dim, int len, int block_size, int row_stride,
-                            const int32_t *table, const uint16_t *k, const uint16_t *v, float scale, float *out) {
+                            const int32_t *table, const uint16_t *k, const uint16_t *v, float scale, float *out,
+                            int stream_rows) {
 #define CASE(G, D)                                                                               \
     if (group == G && head_dim == D) {                                                           \
-        attend_avx512(q, G, D, len, block_size, row_stride, table, k, v, scale, out);            \
+        attend_avx512(q, G, D, len, block_size, row_stride, table, k, v, scale, out, stream_rows); \
         return 1;                                                                                \
     }
     CASE(1, 64) CASE(2, 64) CASE(3, 64) CASE(4, 64) CASE(5, 64) CASE(6, 64) CASE(7, 64) CASE(8, 64)
@@ -221,17 +257,16 @@ int paged_decode(const void *q, long q_stride, const void *k_cache, const void *
     int group = heads / kv_heads;
     if (head_dim > MAX_HEAD_DIM || group > MAX_GROUP || block_size > MAX_BLOCK) return -1;
     int row_stride = kv_heads * head_dim;
-#pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)
+    /* With enough sequences to keep every thread busy, a task is a whole sequence, its KV heads in
+     * order on one core (see stream_rows); with fewer, one KV head, so a single sequence still uses
+     * several cores. */
+    int heads_per_task = batch >= 2 * num_threads ? kv_heads : 1;
+#pragma omp parallel for collapse(2) schedule(dynamic, heads_per_task) num_threads(num_threads)
     for (int b = 0; b < batch; b++) {
         for (int h = 0; h < kv_heads; h++) {
             float qf[MAX_GROUP * MAX_HEAD_DIM], of[MAX_GROUP * MAX_HEAD_DIM];
             int n = group * head_dim;
             long q_off = (long)b * q_stride + (long)h * n, o_off = ((long)b * heads + (long)h * group) * head_dim;
-            if (is_bf16) {
-                for (int i = 0; i < n; i++) qf[i] = bf16_to_float(((const uint16_t *)q)[q_off + i]);
-            } else {
-                memcpy(qf, (const float *)q + q_off, sizeof(float) * n);
-            }
             long cache_off = (long)h * head_dim;
             const void *k = is_bf16 ? (const void *)((const uint16_t *)k_cache + cache_off)
                                     : (const void *)((const float *)k_cache + cache_off);
@@ -241,11 +276,16 @@ int paged_decode(const void *q, long q_stride, const void *k_cache, const void *
             int len = seq_lens[b];
 #ifdef HAVE_AVX512_BF16
             if (is_bf16 && attend_bf16_fast((const uint16_t *)q + q_off, group, head_dim, len, block_size,
-                                            row_stride, table, k, v, scale, of)) {
+                                            row_stride, table, k, v, scale, of, h == 0 && heads_per_task > 1)) {
                 for (int i = 0; i < n; i++) ((uint16_t *)out)[o_off + i] = float_to_bf16(of[i]);
                 continue;
             }
 #endif
+            if (is_bf16) {
+                for (int i = 0; i < n; i++) qf[i] = bf16_to_float(((const uint16_t *)q)[q_off + i]);
+            } else {
+                memcpy(qf, (const float *)q + q_off, sizeof(float) * n);
+            }
 #define ATTEND(DIM, BF16) attend(qf, group, DIM, len, block_size, row_stride, table, k, v, BF16, scale, of)
             if (is_bf16 && head_dim == 64) ATTEND(64, 1);
             else if (is_bf16 && head_dim == 128) ATTEND(128, 1);
