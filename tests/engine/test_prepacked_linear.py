@@ -43,8 +43,9 @@ def test_prepacked_layer_equals_plain(make, rows):
     assert torch.equal(layer(x), plain)
 
 
+@pytest.mark.parametrize("rows", [9, 26], ids=["rows-9", "rows-26-padded"])
 @pytest.mark.parametrize("tied", [True, False])
-def test_prepacked_lm_head_equals_plain_and_a_tied_embedding_still_looks_up(tied):
+def test_prepacked_lm_head_equals_plain_and_a_tied_embedding_still_looks_up(tied, rows):
     gen = torch.Generator().manual_seed(int(tied))
     embed = _randomise(VocabParallelEmbedding(1000, 64), gen)
     head = ParallelLMHead(1000, 64)
@@ -52,7 +53,7 @@ def test_prepacked_lm_head_equals_plain_and_a_tied_embedding_still_looks_up(tied
         head.weight, head.tied = embed.weight, True
     else:
         _randomise(head, gen)
-    hidden = torch.randn(9, 64, generator=gen).to(torch.bfloat16)
+    hidden = torch.randn(rows, 64, generator=gen).to(torch.bfloat16)
     ids = torch.tensor([0, 5, 999])
     plain_logits, plain_rows = head(hidden), embed(ids)
     head.prepack()
