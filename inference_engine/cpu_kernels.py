@@ -5,7 +5,8 @@ blocks into a padded copy and then run a masked SDPA that handles a handful of q
 poorly, and a decode step of a small model is hundreds of elementwise ops that each cost more in
 dispatch than in arithmetic. On this project's 2-core reference machine those were over half of a
 step. `csrc/paged_decode.c` reads the cache in place; `csrc/fused_ops.c` fuses the residual add with
-RMSNorm, and the rotary embedding (bf16). Plain C, no PyTorch headers, so the build takes
+RMSNorm, and the rotary embedding (bf16); `csrc/argmax.c` is greedy sampling's argmax, which
+torch runs on one core. Plain C, no PyTorch headers, so the build takes
 about a second; the shared object is cached per source, compiler flags and CPU. Without a compiler,
 or with LLMSERVE_CPU_KERNELS=0, every function here returns None and callers use their PyTorch path.
 """
@@ -28,7 +29,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = [_CSRC / "paged_decode.c", _CSRC / "fused_ops.c"]
+_SOURCES = [_CSRC / "paged_decode.c", _CSRC / "fused_ops.c", _CSRC / "argmax.c"]
 _HEADERS = [_CSRC / "bf16.h"]
 _FLAGS = [
     "-O3",
@@ -94,7 +95,8 @@ def _library() -> ctypes.CDLL | None:
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
     lib.add_rms_norm_bf16.argtypes = [ptr, ptr, ptr, ptr, ptr, i32, i32, ctypes.c_float, i32]
     lib.rotary_bf16.argtypes = [ptr, ctypes.c_long, ptr, ptr, ptr, i32, i32, i32, i32]
-    for fn in (lib.add_rms_norm_bf16, lib.rotary_bf16):
+    lib.argmax_rows_f32.argtypes = [ptr, i32, i32, ptr, i32]
+    for fn in (lib.add_rms_norm_bf16, lib.rotary_bf16, lib.argmax_rows_f32):
         fn.restype = None
     return lib
 
@@ -198,3 +200,22 @@ def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: to
         head_dim, torch.get_num_threads(),
     )
     return True
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor | None:
+    """Index of each row's maximum (first one; a NaN counts as the maximum) of fp32 [rows, vocab] logits,
+    as torch.argmax(dim=-1) gives it, or None where this kernel can't run."""
+    lib = _library()
+    if (
+        lib is None
+        or logits.device.type != "cpu"
+        or logits.dtype != torch.float32
+        or logits.dim() != 2
+        or not logits.is_contiguous()
+        or logits.shape[1] == 0
+    ):
+        return None
+    rows, vocab = logits.shape
+    out = torch.empty(rows, dtype=torch.int64)
+    lib.argmax_rows_f32(logits.data_ptr(), rows, vocab, out.data_ptr(), torch.get_num_threads())
+    return out

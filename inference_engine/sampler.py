@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from inference_engine import cpu_kernels
 from inference_engine.outputs import Logprob
 from inference_engine.sequence import Sequence
 
@@ -20,6 +21,13 @@ class SampleResult:
     token_id: int
     logprob: float  # 0.0 unless the request asked for logprobs
     top_logprobs: dict[int, Logprob] | None  # chosen token plus the top-k alternatives
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Greedy tokens of [rows, vocab] logits: the native kernel where it runs (torch.argmax is
+    single-threaded on the CPU), else torch.argmax, with the same result."""
+    tokens = cpu_kernels.argmax(logits)
+    return tokens if tokens is not None else logits.argmax(dim=-1)
 
 
 class Sampler:
@@ -35,7 +43,7 @@ class Sampler:
         a batch of plain greedy rows is one argmax.
         """
         if all(self._plain_greedy(s) for s in seqs):
-            return [SampleResult(token, 0.0, None) for token in logits.argmax(dim=-1).tolist()]
+            return [SampleResult(token, 0.0, None) for token in argmax(logits).tolist()]
         wanted = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits[wanted], dim=-1) if wanted else None
         self._apply_logit_bias_and_min_tokens(logits, seqs)
@@ -44,7 +52,7 @@ class Sampler:
         tokens = torch.empty(len(seqs), dtype=torch.long)
         greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
         if greedy:
-            tokens[greedy] = logits[greedy].argmax(dim=-1)
+            tokens[greedy] = argmax(logits[greedy])
         sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if sampled:
             tokens[sampled] = self._sample(logits[sampled], [seqs[i] for i in sampled])
