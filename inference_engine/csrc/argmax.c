@@ -6,8 +6,9 @@
  */
 #include <stdint.h>
 
+#include "bf16.h"
+
 #if defined(__AVX512F__)
-#include <immintrin.h>
 
 /* A first pass finds the row's maximum and whether it holds a NaN, a second the first index of that
  * value (or NaN), 16 lanes at a time; lanes past the row's end read as -inf. */
@@ -16,14 +17,14 @@ static int64_t argmax_row(const float *row, int cols) {
     __m512 best = lowest;
     __mmask16 nan = 0;
     for (int c = 0; c < cols; c += 16) {
-        __mmask16 valid = cols - c >= 16 ? 0xffff : (__mmask16)((1u << (cols - c)) - 1);
+        __mmask16 valid = first_lanes(cols - c);
         __m512 v = _mm512_mask_loadu_ps(lowest, valid, row + c);
         nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
         best = _mm512_max_ps(best, v);
     }
     __m512 target = _mm512_set1_ps(_mm512_reduce_max_ps(best));
     for (int c = 0; c < cols; c += 16) {
-        __mmask16 valid = cols - c >= 16 ? 0xffff : (__mmask16)((1u << (cols - c)) - 1);
+        __mmask16 valid = first_lanes(cols - c);
         __m512 v = _mm512_mask_loadu_ps(lowest, valid, row + c);
         __mmask16 hit = nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) : _mm512_cmp_ps_mask(v, target, _CMP_EQ_OQ);
         hit &= valid;

@@ -1,4 +1,5 @@
-/* bf16 <-> fp32 conversions shared by the CPU kernels (bf16 is the top half of an fp32). */
+/* Helpers shared by the CPU kernels: bf16 <-> fp32 conversions (bf16 is the top half of an fp32) and,
+ * with AVX-512, the lane mask of a partial last vector. */
 #ifndef LLMSERVE_BF16_H
 #define LLMSERVE_BF16_H
 
@@ -19,5 +20,14 @@ static inline uint16_t float_to_bf16(float f) {
     uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16, quiet = (bits >> 16) | 0x40u;
     return (uint16_t)((bits & 0x7fffffffu) > 0x7f800000u ? quiet : rounded);
 }
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* The first min(remaining, 16) lanes of a 16-lane vector. */
+static inline __mmask16 first_lanes(int remaining) {
+    return remaining >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << remaining) - 1);
+}
+#endif
 
 #endif

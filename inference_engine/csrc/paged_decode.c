@@ -102,11 +102,6 @@ static inline __attribute__((always_inline)) void attend(const float *q, int gro
 #include <immintrin.h>
 #define HAVE_AVX512_BF16 1
 
-static inline __m512 bf16x16_to_f32(const uint16_t *p) {
-    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-
 /* exp_nonpositive() on 16 lanes. */
 static inline __m512 exp512_nonpositive(__m512 x) {
     __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(1.44269504088896341f));
@@ -179,14 +174,14 @@ static inline __attribute__((always_inline)) void attend_avx512(const uint16_t *
         for (int g = 0; g < G; g++) {
             float block_max = m[g];
             for (int t0 = 0; t0 < n; t0 += 16) {
-                __mmask16 valid = n - t0 >= 16 ? 0xffff : (__mmask16)((1u << (n - t0)) - 1);
+                __mmask16 valid = first_lanes(n - t0);
                 float chunk = _mm512_mask_reduce_max_ps(valid, _mm512_maskz_loadu_ps(valid, s[g] + t0));
                 block_max = chunk > block_max ? chunk : block_max;
             }
             float correction = exp_nonpositive(m[g] - block_max);
             __m512 sums = _mm512_setzero_ps(), shift = _mm512_set1_ps(block_max);
             for (int t0 = 0; t0 < n; t0 += 16) {
-                __mmask16 valid = n - t0 >= 16 ? 0xffff : (__mmask16)((1u << (n - t0)) - 1);
+                __mmask16 valid = first_lanes(n - t0);
                 __m512 p = _mm512_maskz_mov_ps(valid, exp512_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s[g] + t0), shift)));
                 _mm512_storeu_ps(s[g] + t0, p);
                 sums = _mm512_add_ps(sums, p);
