@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from inference_engine.distributed import all_reduce, tp_rank, tp_size
-from inference_engine.layers.linear import pack_weight, packed_linear, prepacking_works
+from inference_engine.layers.linear import can_prepack, pack_weight, packed_linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -46,18 +46,16 @@ class ParallelLMHead(VocabParallelEmbedding):
     def prepack(self) -> None:
         """A tied weight serves embedding lookups as a plain matrix too, so its packed copy is kept beside
         it: one more vocab x hidden matrix in memory for a head twice as fast. An untied one is replaced."""
-        if self.packed is None and self.weight.device.type == "cpu" and prepacking_works(self.weight.dtype):
+        if self.packed is None and can_prepack(self.weight):
             self.packed = pack_weight(self.weight)
             if not self.tied:
                 self.weight = nn.Parameter(self.packed, requires_grad=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        rows = hidden.shape[0]
-        if self.packed is not None and rows in _SLOW_ROWS:
-            padded = F.pad(hidden, (0, 0, 0, _PADDED_ROWS - rows))
+        if self.packed is not None:
+            rows = hidden.shape[0]
+            padded = F.pad(hidden, (0, 0, 0, _PADDED_ROWS - rows)) if rows in _SLOW_ROWS else hidden
             logits = packed_linear(padded, self.packed, None)[:rows]
-        elif self.packed is not None:
-            logits = packed_linear(hidden, self.packed, None)
         else:
             logits = F.linear(hidden, self.weight)
         if self.tp_size > 1:

@@ -35,6 +35,10 @@ def prepacking_works(dtype: torch.dtype) -> bool:
         return False
 
 
+def can_prepack(weight: torch.Tensor) -> bool:
+    return weight.device.type == "cpu" and prepacking_works(weight.dtype)
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
 
@@ -50,7 +54,7 @@ class LinearBase(nn.Module):
 
     def prepack(self) -> None:
         """Called once the weights are loaded; a no-op where prepacking is unavailable."""
-        if not self.prepacked and self.weight.device.type == "cpu" and prepacking_works(self.weight.dtype):
+        if not self.prepacked and can_prepack(self.weight):
             self.weight = nn.Parameter(pack_weight(self.weight), requires_grad=False)
             self.prepacked = True
 
