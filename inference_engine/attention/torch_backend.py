@@ -1,16 +1,19 @@
 """Paged attention in PyTorch: the CPU backend (and a fallback wherever Triton is missing).
 
 Where the native CPU kernel of `cpu_kernels` is available, every decode, and every new token of a
-sequence that brings at most NATIVE_QUERY_MAX of them, is one query of that kernel, which reads the
+sequence that brings at most `native_query_max` of them, is one query of that kernel, which reads the
 paged cache in place up to the token's own position. Otherwise single-token queries gather their
 sequences' K/V through the block tables into one padded batch and run one masked
-scaled_dot_product_attention. Longer prefill chunks go sequence by sequence through SDPA, whose
-GEMM-based flash kernel wins from a few dozen query tokens on (a chunk with no cached prefix attends to
-its own fresh K/V without touching the cache).
+scaled_dot_product_attention. Longer prefill chunks go sequence by sequence through SDPA's GEMM-based
+flash kernel (a chunk with no cached prefix attends to its own fresh K/V without touching the cache).
+Where one wins over the other depends on the CPU, so it is measured once per process.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from functools import cache
 from itertools import accumulate
 
 import torch
@@ -19,7 +22,8 @@ import torch.nn.functional as F
 from inference_engine import cpu_kernels
 from inference_engine.attention import AttentionMetadata
 
-NATIVE_QUERY_MAX = 32  # most new tokens of one sequence that run on the native kernel (see forward)
+NATIVE_QUERY_MIN = 32  # chunks of up to this many new tokens always run on the native kernel
+_CALIBRATION_LENGTHS = (64, 128, 256, 512, 1024)  # longer would make the timing itself costly
 
 
 def store_kv(
@@ -43,10 +47,11 @@ def forward(
         return _decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
     starts = list(accumulate(meta.query_lens, initial=0))
     # Short chunks as one-token queries of the native kernel, each up to its own position; longer ones
-    # through SDPA. Measured (bf16, 2 threads, 9 heads / 3 KV heads, AMX CPU), native vs SDPA: 16 fresh
-    # tokens 0.036 vs 0.055 ms, 32: 0.062 vs 0.070, 64: 0.145 vs 0.092, 300: 1.97 vs 0.92, 2,000: 92 vs
-    # 13.5; 100 tokens on a 300-token prefix 1.40 vs 0.56 ms.
-    by_token = [b for b, n in enumerate(meta.query_lens) if n <= NATIVE_QUERY_MAX]
+    # through SDPA.
+    limit = NATIVE_QUERY_MIN
+    if meta.max_query_len > limit:
+        limit = native_query_max(q.shape[1], k_cache.shape[2], q.shape[2], q.dtype, torch.get_num_threads())
+    by_token = [b for b, n in enumerate(meta.query_lens) if n <= limit]
     if len(by_token) == len(meta.query_lens):
         out = cpu_kernels.paged_decode(q, k_cache, v_cache, *meta.per_token(), scale)
         if out is not None:
@@ -80,6 +85,59 @@ def forward(
             mask, causal = torch.arange(ctx_len + q_len).unsqueeze(0) <= pos_q, False
         out[start:end] = _sdpa(q[start:end], keys, values, mask, causal, scale)
     return out
+
+
+@cache
+def native_query_max(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, threads: int) -> int:
+    """The longest prompt chunk that the native kernel runs faster than SDPA on this CPU, timed once.
+
+    The answer differs by an order of magnitude between CPUs. Measured with 9 heads / 3 KV heads in bf16
+    on 2 threads, per-token kernel vs flash SDPA on a fresh prompt: on a CPU with AMX, whose tiles run
+    SDPA's blocks, 64 tokens 0.145 vs 0.092 ms and 300 tokens 1.97 vs 0.92; on an AVX512-BF16 CPU without
+    AMX, 300 tokens 0.68 vs 1.38 ms and 1,024 tokens 7.7 vs 10.6. A wrong pick costs time, never accuracy.
+    """
+    gen = torch.Generator().manual_seed(0)
+    block_size, scale = 16, head_dim**-0.5
+
+    def inputs(n: int):
+        blocks = (n + block_size - 1) // block_size
+        q = torch.randn(n, heads, head_dim, generator=gen).to(dtype)
+        k, v = (torch.randn(blocks * block_size, kv_heads, head_dim, generator=gen).to(dtype) for _ in "kv")
+        tables = torch.arange(blocks, dtype=torch.int32).expand(n, blocks)
+        return q, k, v, tables, torch.arange(1, n + 1, dtype=torch.int32)
+
+    def native(n: int) -> float:
+        q, k, v, tables, lens = inputs(n)
+        caches = k.view(-1, block_size, kv_heads, head_dim), v.view(-1, block_size, kv_heads, head_dim)
+        if cpu_kernels.paged_decode(q, *caches, tables, lens, scale) is None:
+            return float("inf")  # no kernel here, or not for this shape
+        return _seconds(lambda: cpu_kernels.paged_decode(q, *caches, tables, lens, scale))
+
+    def sdpa(n: int) -> float:
+        q, k, v, _, _ = inputs(n)
+        return _seconds(lambda: _sdpa(q, k[:n], v[:n], None, True, scale))
+
+    return longest_faster(native, sdpa)
+
+
+def longest_faster(native: Callable[[int], float], sdpa: Callable[[int], float]) -> int:
+    """The last calibration length, going up, at which `native` still takes less time than `sdpa`."""
+    best = NATIVE_QUERY_MIN
+    for n in _CALIBRATION_LENGTHS:
+        if native(n) >= sdpa(n):
+            break
+        best = n
+    return best
+
+
+def _seconds(fn: Callable[[], object], runs: int = 3) -> float:
+    fn()  # first touch of the inputs, and the kernel's build or load
+    best = float("inf")
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def _gather(k_cache, v_cache, block_table: torch.Tensor, length: int):

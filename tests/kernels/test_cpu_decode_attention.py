@@ -107,24 +107,25 @@ MIXED = [
     ([5, 300, 33], [5, 120, 1], 8, F32),
     ([129, 2], [129, 2], 32, BF16),
     (random.Random(4).choices(range(50, 200), k=6), [1, 50, 7, 1, 49, 16], 16, BF16),
-    # Chunks of more than NATIVE_QUERY_MAX (32) tokens go through SDPA while the rest of the step stays
-    # native.
+    # Chunks longer than the native limit go through SDPA while the rest of the step stays native.
     ([140, 40, 300], [60, 40, 1], 16, BF16),
     ([130, 200], [130, 1], 32, F32),
 ]
 
 
+@pytest.mark.parametrize("limit", [32, 1024], ids=["limit32", "limit1024"])
 @pytest.mark.parametrize("native", [True, False], ids=["native", "pytorch"])
 @pytest.mark.parametrize(("seq_lens", "query_lens", "block_size", "dtype"), MIXED)
 def test_backend_matches_extend_reference(
-    paged_kv, rand, assert_close, monkeypatch, native, seq_lens, query_lens, block_size, dtype
+    paged_kv, rand, assert_close, monkeypatch, native, limit, seq_lens, query_lens, block_size, dtype
 ):
-    """The CPU backend on a whole step, each token of a short chunk run as a query of the decode kernel and
-    longer chunks (or, without the kernel, every chunk) through SDPA, against the per-sequence causal
-    reference."""
+    """The CPU backend on a whole step, each token of a chunk up to `limit` tokens run as a query of the
+    decode kernel and longer chunks (or, without the kernel, every chunk) through SDPA, against the
+    per-sequence causal reference. The limit is pinned, as either CPU kind measures it."""
     from inference_engine.attention import AttentionMetadata, torch_backend
     from kernels import paged_extend_attention_ref
 
+    monkeypatch.setattr(torch_backend, "native_query_max", lambda *args: limit)
     if not native:
         monkeypatch.setattr(cpu_kernels, "paged_decode", lambda *args: None)
     kv = paged_kv(seq_lens, block_size, 3, 64, dtype)
@@ -159,6 +160,34 @@ def test_backend_matches_extend_reference(
     k, v = torch.stack(k_new), torch.stack(v_new)
     out = torch_backend.forward(q, k, v, kv.k_cache, kv.v_cache, meta, 0.125)
     assert_close(out, ref)
+
+
+@pytest.mark.parametrize(
+    ("native_cost", "expected"),
+    [
+        (lambda n: n * n * 1e-6, 64),  # quadratic native against linear SDPA: they cross at 100 tokens
+        (lambda n: 1e-9, 1024),  # native always faster: the longest length timed
+        (lambda n: 1.0, 32),  # never faster: only the chunks that always run native
+    ],
+)
+def test_longest_faster_stops_at_the_crossover(native_cost, expected):
+    from inference_engine.attention.torch_backend import longest_faster
+
+    timed = []
+    result = longest_faster(lambda n: timed.append(n) or native_cost(n), lambda n: n * 1e-4)
+    assert result == expected
+    assert timed == [n for n in (64, 128, 256, 512, 1024) if n <= max(expected * 2, 64)]
+
+
+def test_native_query_max_is_measured_per_shape(monkeypatch):
+    from inference_engine.attention import torch_backend
+
+    measured = torch_backend.native_query_max(9, 3, 64, BF16, 2)
+    assert measured in (32, 64, 128, 256, 512, 1024)
+    torch_backend.native_query_max.cache_clear()
+    monkeypatch.setattr(cpu_kernels, "paged_decode", lambda *args: None)
+    assert torch_backend.native_query_max(9, 3, 64, BF16, 2) == 32  # no kernel: every long chunk to SDPA
+    torch_backend.native_query_max.cache_clear()
 
 
 def test_unwritable_cache_falls_back_to_pytorch(tmp_path):
