@@ -118,6 +118,33 @@ static inline __m512 exp512_nonpositive(__m512 x) {
     return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
 
+/* One key row's dot product with a query row as 16 partial sums (zero past the block's last key). */
+static inline __m512 dot_row(const __m512bh *qv, const int NQ, const uint16_t *k, int t, int row_stride, int n) {
+    __m512 dot = _mm512_setzero_ps();
+    if (t < n)
+        for (int i = 0; i < NQ; i++)
+            dot = _mm512_dpbf16_ps(dot, qv[i], (__m512bh)_mm512_loadu_si512(k + (long)t * row_stride + 32 * i));
+    return dot;
+}
+
+/* The dot products of up to 16 consecutive key rows with one query row, lane t for key t. Reducing each
+ * key's 16 partial sums on its own costs a shuffle-and-add chain per key; here the keys' vectors are
+ * interleaved and added pairwise, level by level, so 15 adds and 30 shuffles serve all 16 keys. */
+static inline __m512 dot16(const __m512bh *qv, const int NQ, const uint16_t *k, int row_stride, int n) {
+    __m512 e[8], f[4];
+    for (int p = 0; p < 8; p++) { /* 128-bit lane L: key 2p's and 2p+1's partial sums, alternating */
+        __m512 a = dot_row(qv, NQ, k, 2 * p, row_stride, n), b = dot_row(qv, NQ, k, 2 * p + 1, row_stride, n);
+        e[p] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    }
+    for (int p = 0; p < 4; p++) { /* lane L, element j: lane L's share of key 4p+j */
+        __m512d x = _mm512_castps_pd(e[2 * p]), y = _mm512_castps_pd(e[2 * p + 1]);
+        f[p] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    __m512 h01 = _mm512_add_ps(_mm512_shuffle_f32x4(f[0], f[1], 0x88), _mm512_shuffle_f32x4(f[0], f[1], 0xDD));
+    __m512 h23 = _mm512_add_ps(_mm512_shuffle_f32x4(f[2], f[3], 0x88), _mm512_shuffle_f32x4(f[2], f[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(h01, h23, 0x88), _mm512_shuffle_f32x4(h01, h23, 0xDD));
+}
+
 /* attend() for bf16 caches on CPUs with AVX512-BF16, with G (query heads per KV head) and D constant
  * at each call site: q.k runs on bf16 pairs straight from the cache (vdpbf16ps, exact products, fp32
  * sums) and each head's output row stays in registers while a block's values are summed into it. */
@@ -160,17 +187,14 @@ static inline __attribute__((always_inline)) void attend_avx512(const uint16_t *
                 _mm_prefetch((const char *)(v_cache + far) + b, _MM_HINT_T1);
             }
         }
-        for (int t = 0; t < n; t++) {
-            const uint16_t *k = k_cache + base + (long)t * row_stride;
-            __m512bh kv[NQ];
-            for (int i = 0; i < NQ; i++) kv[i] = (__m512bh)_mm512_loadu_si512(k + 32 * i);
-            for (int g = 0; g < G; g++) {
-                __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], kv[0]);
-                for (int i = 1; i < NQ; i++) dot = _mm512_dpbf16_ps(dot, qv[g][i], kv[i]);
-                s[g][t] = _mm512_reduce_add_ps(dot) * scale;
-            }
-        }
-        /* Softmax of the block, 16 scores per vector; lanes past n hold p = 0. */
+        for (int t0 = 0; t0 < n; t0 += 16)
+            for (int g = 0; g < G; g++)
+                _mm512_storeu_ps(s[g] + t0, _mm512_mul_ps(dot16(qv[g], NQ, k_cache + base + (long)t0 * row_stride,
+                                                                row_stride, n - t0),
+                                                          _mm512_set1_ps(scale)));
+        /* Softmax of the block, 16 scores per vector; lanes past n hold p = 0. The probabilities go on
+         * rounded to bf16 (as flash attention does on GPUs), as the pairs of keys P @ V takes them. */
+        uint32_t pairs[G][MAX_BLOCK / 2];
         for (int g = 0; g < G; g++) {
             float block_max = m[g];
             for (int t0 = 0; t0 < n; t0 += 16) {
@@ -183,7 +207,7 @@ static inline __attribute__((always_inline)) void attend_avx512(const uint16_t *
             for (int t0 = 0; t0 < n; t0 += 16) {
                 __mmask16 valid = first_lanes(n - t0);
                 __m512 p = _mm512_maskz_mov_ps(valid, exp512_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s[g] + t0), shift)));
-                _mm512_storeu_ps(s[g] + t0, p);
+                _mm256_storeu_si256((__m256i *)(pairs[g] + t0 / 2), (__m256i)_mm512_cvtneps_pbh(p));
                 sums = _mm512_add_ps(sums, p);
             }
             m[g] = block_max;
@@ -191,14 +215,8 @@ static inline __attribute__((always_inline)) void attend_avx512(const uint16_t *
             __m512 c = _mm512_set1_ps(correction);
             for (int i = 0; i < NO; i++) acc[g][i] = _mm512_mul_ps(acc[g][i], c);
         }
-        /* P @ V on bf16 pairs too: two keys' V rows interleaved per lane, the two P values rounded to
-         * bf16 (as flash attention does on GPUs), sums in fp32. Half the work of fp32 FMAs. */
-        uint32_t pairs[G][MAX_BLOCK / 2];
-        for (int g = 0; g < G; g++) {
-            for (int t = n; t < (n + 1) / 2 * 2; t++) s[g][t] = 0.f;
-            for (int kp = 0; kp < (n + 1) / 2; kp++)
-                pairs[g][kp] = (uint32_t)float_to_bf16(s[g][2 * kp]) | (uint32_t)float_to_bf16(s[g][2 * kp + 1]) << 16;
-        }
+        /* P @ V on bf16 pairs too: two keys' V rows interleaved per lane, sums in fp32. Half the work of
+         * fp32 FMAs. */
         for (int kp = 0; kp < (n + 1) / 2; kp++) {
             const uint16_t *v0 = v_cache + base + (long)(2 * kp) * row_stride, *v1 = v0 + row_stride;
             int second = 2 * kp + 1 < n;
