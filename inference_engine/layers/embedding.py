@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -33,15 +35,32 @@ class VocabParallelEmbedding(nn.Module):
         return all_reduce(y)
 
 
-# oneDNN (PyTorch 2.13's) runs the LM head's wide matmul much slower for 17-32 rows than for 33: measured
-# on the AMX reference CPU, [26, 576] x [576, 49152] in bf16 takes 6.7 ms, [33, 576] 3.9 ms (16 rows 4.7).
-# So, as vLLM pads a batch to a captured CUDA-graph size, a step of 17-32 sequences is padded to 33 rows.
-_SLOW_ROWS, _PADDED_ROWS = range(17, 33), 33
+_PADDED_ROWS = 33
+
+
+def padding_pays(packed: torch.Tensor, runs: int = 5) -> bool:
+    """Whether this CPU's oneDNN runs the packed head a tenth or more faster on 33 rows than on 24.
+
+    On a CPU with AMX, oneDNN (PyTorch 2.13's) ran [26, 576] x [576, 49152] in bf16 in 6.7 ms and
+    [33, 576] in 3.9 ms, so there a step of 17-32 sequences is best padded to 33 rows, as vLLM pads a
+    batch to a captured CUDA-graph size. On an AVX512-BF16 EPYC without AMX padding is the slower
+    one: 2.3 ms at 26 rows, 2.7 ms at 33.
+    """
+    gen = torch.Generator().manual_seed(0)
+    rows = {n: torch.randn(n, packed.shape[1], generator=gen).to(packed.dtype) for n in (24, _PADDED_ROWS)}
+    best = dict.fromkeys(rows, float("inf"))
+    for _ in range(runs):
+        for n, x in rows.items():
+            start = time.perf_counter()
+            packed_linear(x, packed, None)
+            best[n] = min(best[n], time.perf_counter() - start)
+    return best[_PADDED_ROWS] < 0.9 * best[24]
 
 
 class ParallelLMHead(VocabParallelEmbedding):
     packed: torch.Tensor | None = None
     tied = False  # set by models whose head shares the embedding's weight
+    padded_steps = range(0)  # rows counts run padded to _PADDED_ROWS, where prepack measured that faster
 
     def prepack(self) -> None:
         """A tied weight serves embedding lookups as a plain matrix too, so its packed copy is kept beside
@@ -50,11 +69,13 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.packed = pack_weight(self.weight)
             if not self.tied:
                 self.weight = nn.Parameter(self.packed, requires_grad=False)
+            if padding_pays(self.packed):
+                self.padded_steps = range(17, _PADDED_ROWS)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             rows = hidden.shape[0]
-            padded = F.pad(hidden, (0, 0, 0, _PADDED_ROWS - rows)) if rows in _SLOW_ROWS else hidden
+            padded = F.pad(hidden, (0, 0, 0, _PADDED_ROWS - rows)) if rows in self.padded_steps else hidden
             logits = packed_linear(padded, self.packed, None)[:rows]
         else:
             logits = F.linear(hidden, self.weight)
