@@ -4,11 +4,12 @@ Why not PyTorch: decode attention over a paged cache in PyTorch must first gathe
 blocks into a padded copy and then run a masked SDPA that handles a handful of query rows per head
 poorly, and a decode step of a small model is hundreds of elementwise ops that each cost more in
 dispatch than in arithmetic. On this project's 2-core reference machine those were over half of a
-step. `csrc/paged_decode.c` reads the cache in place; `csrc/fused_ops.c` fuses the residual add with
-RMSNorm, and the rotary embedding (bf16); `csrc/argmax.c` is greedy sampling's argmax, which
-torch runs on one core. Plain C, no PyTorch headers, so the build takes
-about a second; the shared object is cached per source, compiler flags and CPU. Without a compiler,
-or with LLMSERVE_CPU_KERNELS=0, every function here returns None and callers use their PyTorch path.
+step. `csrc/paged_decode.c` reads the cache in place; `csrc/kv_store.c` writes a step's K/V into it;
+`csrc/fused_ops.c` fuses the residual add with RMSNorm, and the rotary embedding (bf16);
+`csrc/argmax.c` is greedy sampling's argmax, which torch runs on one core. Plain C, no PyTorch
+headers, so the build takes about a second; the shared object is cached per source, compiler flags and
+CPU. Without a compiler, or with LLMSERVE_CPU_KERNELS=0, every function here declines (returns None or
+False) and callers use their PyTorch path.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = [_CSRC / "paged_decode.c", _CSRC / "fused_ops.c", _CSRC / "argmax.c"]
+_SOURCES = [_CSRC / "paged_decode.c", _CSRC / "fused_ops.c", _CSRC / "argmax.c", _CSRC / "kv_store.c"]
 _HEADERS = [_CSRC / "bf16.h"]
 _FLAGS = [
     "-O3",
@@ -96,6 +97,8 @@ def _library() -> ctypes.CDLL | None:
     lib.add_rms_norm_bf16.argtypes = [ptr, ptr, ptr, ptr, ptr, i32, i32, ctypes.c_float, i32]
     lib.rotary_bf16.argtypes = [ptr, ctypes.c_long, ptr, ptr, ptr, i32, i32, i32, i32]
     lib.argmax_rows_f32.argtypes = [ptr, i32, i32, ptr, i32]
+    lib.store_kv.restype = ctypes.c_int
+    lib.store_kv.argtypes = [ptr, ctypes.c_long, ptr, ctypes.c_long, ptr, ptr, ptr, i32, ctypes.c_long, i32]
     for fn in (lib.add_rms_norm_bf16, lib.rotary_bf16, lib.argmax_rows_f32):
         fn.restype = None
     return lib
@@ -158,6 +161,41 @@ def paged_decode(
         torch.get_num_threads(),
     )
     return out if status == 0 else None
+
+
+def store_kv(
+    k: torch.Tensor,  # [tokens, kv_heads, head_dim], rows may be strided
+    v: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,  # [tokens] int64 flat slot of each token
+) -> bool:
+    """Writes each token's K and V row into its cache slot; False where this kernel can't run."""
+    lib = _library()
+    dtype, (kv_heads, head_dim) = k_cache.dtype, k_cache.shape[2:]
+    if (
+        lib is None
+        or not k.is_cpu
+        or k.dtype != dtype
+        or v.dtype != dtype
+        or v_cache.dtype != dtype
+        or k.stride()[1:] != (head_dim, 1)
+        or v.stride()[1:] != (head_dim, 1)
+        or k.shape != v.shape
+        or k.shape[1:] != (kv_heads, head_dim)
+        or slots.dtype != torch.int64
+        or not (k_cache.is_contiguous() and v_cache.is_contiguous() and slots.is_contiguous())
+    ):
+        return False
+    size = k.element_size()
+    status = lib.store_kv(
+        k.data_ptr(), k.stride(0) * size, v.data_ptr(), v.stride(0) * size, k_cache.data_ptr(),
+        v_cache.data_ptr(), slots.data_ptr(), len(slots), k_cache.shape[0] * k_cache.shape[1],
+        k.shape[1] * k.shape[2] * size,
+    )
+    if status != 0:
+        raise IndexError("a KV cache slot is out of range")
+    return True
 
 
 def _bf16_rows(*tensors: torch.Tensor) -> bool:

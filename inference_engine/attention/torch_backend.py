@@ -29,6 +29,8 @@ _CALIBRATION_LENGTHS = (64, 128, 256, 512, 1024)  # longer would make the timing
 def store_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
 ):
+    if cpu_kernels.store_kv(k, v, k_cache, v_cache, slots):
+        return
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k)
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)
 
