@@ -11,7 +11,6 @@ Where one wins over the other depends on the CPU, so it is measured once per pro
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from functools import cache
 from itertools import accumulate
@@ -21,6 +20,7 @@ import torch.nn.functional as F
 
 from inference_engine import cpu_kernels
 from inference_engine.attention import AttentionMetadata
+from inference_engine.timing import best_time
 
 NATIVE_QUERY_MIN = 32  # chunks of up to this many new tokens always run on the native kernel
 _CALIBRATION_LENGTHS = (64, 128, 256, 512, 1024)  # longer would make the timing itself costly
@@ -96,7 +96,8 @@ def native_query_max(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtyp
     The answer differs by an order of magnitude between CPUs. Measured with 9 heads / 3 KV heads in bf16
     on 2 threads, per-token kernel vs flash SDPA on a fresh prompt: on a CPU with AMX, whose tiles run
     SDPA's blocks, 64 tokens 0.145 vs 0.092 ms and 300 tokens 1.97 vs 0.92; on an AVX512-BF16 CPU without
-    AMX, 300 tokens 0.68 vs 1.38 ms and 1,024 tokens 7.7 vs 10.6. A wrong pick costs time, never accuracy.
+    AMX, 64 tokens 0.037 vs 0.092, 300 tokens 0.54 vs 1.38 and 1,024 tokens 5.8 vs 10.6. A wrong pick
+    costs time, never accuracy.
     """
     gen = torch.Generator().manual_seed(0)
     block_size, scale = 16, head_dim**-0.5
@@ -113,11 +114,11 @@ def native_query_max(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtyp
         caches = k.view(-1, block_size, kv_heads, head_dim), v.view(-1, block_size, kv_heads, head_dim)
         if cpu_kernels.paged_decode(q, *caches, tables, lens, scale) is None:
             return float("inf")  # no kernel here, or not for this shape
-        return _seconds(lambda: cpu_kernels.paged_decode(q, *caches, tables, lens, scale))
+        return best_time(lambda: cpu_kernels.paged_decode(q, *caches, tables, lens, scale))
 
     def sdpa(n: int) -> float:
         q, k, v, _, _ = inputs(n)
-        return _seconds(lambda: _sdpa(q, k[:n], v[:n], None, True, scale))
+        return best_time(lambda: _sdpa(q, k[:n], v[:n], None, True, scale))
 
     return longest_faster(native, sdpa)
 
@@ -129,16 +130,6 @@ def longest_faster(native: Callable[[int], float], sdpa: Callable[[int], float])
         if native(n) >= sdpa(n):
             break
         best = n
-    return best
-
-
-def _seconds(fn: Callable[[], object], runs: int = 3) -> float:
-    fn()  # first touch of the inputs, and the kernel's build or load
-    best = float("inf")
-    for _ in range(runs):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
     return best
 
 
