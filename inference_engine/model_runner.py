@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from inference_engine.attention import AttentionMetadata, get_backend
+from inference_engine.attention.torch_backend import native_query_max
 from inference_engine.config import EngineConfig
 from inference_engine.model_loader import LoadedModel
 from inference_engine.models import MODEL_CLASSES
@@ -123,6 +124,10 @@ class ModelRunner:
         )
         for i, layer in enumerate(self.model.model.layers):
             layer.self_attn.k_cache, layer.self_attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        if self.attention_backend == "torch" and self.device.type == "cpu":
+            # Which attention path prompt chunks take is timed now, not in the first long prompt's step.
+            attn, threads = self.model.model.layers[0].self_attn, torch.get_num_threads()
+            native_query_max(attn.num_heads, attn.num_kv_heads, attn.head_dim, self.dtype, threads)
         # Swap space: host memory that holds preempted sequences' KV blocks (pinned for fast copies on CUDA).
         self.num_cpu_blocks = int(config.swap_space * 2**30) // self.kv_bytes_per_block
         self.cpu_kv_cache = torch.zeros(
