@@ -16,9 +16,10 @@ from inference_engine.attention import torch_backend
 def test_store_matches_index_copy(tokens, kv_heads, head_dim, dtype):
     gen = torch.Generator().manual_seed(tokens)
     blocks, block_size = 40, 16
-    # K and V as the model passes them: strided views into one fused projection row per token.
+    # K as the model passes it, a strided view into the fused projection's rows; V contiguous, so the two
+    # row strides differ.
     qkv = torch.randn(tokens, 5 + 2 * kv_heads, head_dim, generator=gen).to(dtype)
-    k, v = qkv[:, 5 : 5 + kv_heads], qkv[:, 5 + kv_heads :]
+    k, v = qkv[:, 5 : 5 + kv_heads], qkv[:, 5 + kv_heads :].contiguous()
     slots = torch.randperm(blocks * block_size, generator=gen)[:tokens]
     caches = [torch.randn(blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype) for _ in "kv"]
     expected = [c.clone() for c in caches]
