@@ -175,7 +175,8 @@ def store_kv(
     dtype, (kv_heads, head_dim) = k_cache.dtype, k_cache.shape[2:]
     if (
         lib is None
-        or not k.is_cpu
+        or not (k.is_cpu and k_cache.is_cpu)
+        or v_cache.shape != k_cache.shape
         or k.dtype != dtype
         or v.dtype != dtype
         or v_cache.dtype != dtype

@@ -46,3 +46,10 @@ def test_declines_what_it_cannot_run_and_the_backend_falls_back():
     assert not cpu_kernels.store_kv(odd.float(), odd.float(), *caches, slots)  # dtype differs from the cache
     torch_backend.store_kv(odd, odd, *caches, slots)  # index_copy_ takes it
     assert caches[0].view(-1, 2, 64)[1:4].eq(1).all() and caches[1].view(-1, 2, 64)[1:4].eq(1).all()
+
+
+def test_declines_caches_of_different_shapes():
+    """The kernel bounds every slot by the K cache: a smaller V cache must not be written past its end."""
+    k = torch.ones(3, 2, 64, dtype=torch.bfloat16)
+    k_cache, v_cache = (torch.zeros(blocks, 16, 2, 64, dtype=torch.bfloat16) for blocks in (4, 2))
+    assert not cpu_kernels.store_kv(k, k, k_cache, v_cache, torch.tensor([0, 40, 63]))
