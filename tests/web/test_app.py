@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 from django.core import checks
-from django.core.management import call_command
+from django.core.management import ManagementUtility, call_command
 from django.test import override_settings
 from django.urls import reverse
 
@@ -74,6 +74,17 @@ def test_admin_shows_a_new_key_once(admin_client) -> None:
                       {"action": "revoke_keys", "_selected_action": [key.pk]})
     key.refresh_from_db()
     assert key.revoked
+
+
+@pytest.mark.django_db(transaction=True)
+def test_createkey_needs_no_bus(capsys) -> None:
+    """Creating a key only writes the database, so `manage.py llmserve_createkey` works before Redis is
+    set up or while it is down, as Django's own changepassword does; other commands stop at llmserve.E001."""
+    with override_settings(LLMSERVE={"REDIS_URL": None}):
+        assert any(m.id == "llmserve.E001" for m in checks.run_checks(tags=["llmserve"]))
+        ManagementUtility(["manage.py", "llmserve_createkey", "ops"]).execute()
+    raw = capsys.readouterr().out.strip()
+    assert APIKey.objects.get_usable(raw).name == "ops"
 
 
 @pytest.mark.django_db
