@@ -26,8 +26,12 @@ def ttft(client: Any, model: str, i: int, max_tokens: int) -> float:
     """Seconds from sending a streaming chat request to its first content token."""
     started = time.monotonic()
     stream = client.chat.completions.create(
-        model=model, stream=True, max_tokens=max_tokens, temperature=0,
-        messages=[{"role": "user", "content": f"Give me one tip about tidy desks ({i})."}])
+        model=model,
+        stream=True,
+        max_tokens=max_tokens,
+        temperature=0,
+        messages=[{"role": "user", "content": f"Give me one tip about tidy desks ({i})."}],
+    )
     first = None
     for chunk in stream:
         if first is None and chunk.choices and chunk.choices[0].delta.content:
@@ -39,26 +43,42 @@ def run_job(model: str, docs: int, max_tokens: int, seed: int) -> dict[str, floa
     from llmserve.bulk import services
     from llmserve.bulk.models import BulkJob
 
-    items = [{"document": f"Report {seed}-{i}: the north gate was repaired on day {i % 28 + 1}; crews used "
-                          f"{i % 7 + 2} cranes and finished {i % 5} days early."} for i in range(docs)]
+    items = [
+        {
+            "document": f"Report {seed}-{i}: the north gate was repaired on day {i % 28 + 1}; crews used "
+            f"{i % 7 + 2} cranes and finished {i % 5} days early."
+        }
+        for i in range(docs)
+    ]
     job = services.create_job(model, TEMPLATE, items, {"temperature": 0, "max_tokens": max_tokens})
     while BulkJob.objects.get(pk=job.pk).is_active:
         time.sleep(0.5)
     job.refresh_from_db()
     p = services.progress(job)
-    return {"items": p.total, "failed": p.failed, "seconds": p.elapsed_s, "items_per_s": p.items_per_s,
-            "tokens_per_s": p.tokens_per_s, "completion_tokens": p.completion_tokens}
+    return {
+        "items": p.total,
+        "failed": p.failed,
+        "seconds": p.elapsed_s,
+        "items_per_s": p.items_per_s,
+        "tokens_per_s": p.tokens_per_s,
+        "completion_tokens": p.completion_tokens,
+    }
 
 
 def summary(values: list[float]) -> dict[str, float]:
     ordered = sorted(values)
-    return {"n": len(values), "p50": statistics.median(ordered),
-            "p90": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))], "mean": statistics.fmean(ordered)}
+    return {
+        "n": len(values),
+        "p50": statistics.median(ordered),
+        "p90": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))],
+        "mean": statistics.fmean(ordered),
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--documents", type=int, default=120)
     parser.add_argument("--max-tokens", type=int, default=16, help="bulk items' max_tokens")
     parser.add_argument("--chat-max-tokens", type=int, default=16)
@@ -72,8 +92,12 @@ def main() -> None:
 
     stack = BulkStack(engine_flags=engine_flags(args.threads, args.max_num_seqs)).start()
     try:
-        os.environ.update(DJANGO_SETTINGS_MODULE="tests.bulk.settings", LLMSERVE_DB_PATH=str(stack.db_path),
-                          LLMSERVE_REDIS_URL=stack.redis.url, DJANGO_SECRET_KEY="benchmark-only")
+        os.environ.update(
+            DJANGO_SETTINGS_MODULE="tests.bulk.settings",
+            LLMSERVE_DB_PATH=str(stack.db_path),
+            LLMSERVE_REDIS_URL=stack.redis.url,
+            DJANGO_SECRET_KEY="benchmark-only",
+        )
         import django
         import openai
 
@@ -104,8 +128,13 @@ def main() -> None:
     finally:
         stack.stop()
 
-    result = {"config": vars(args), "bulk_alone": alone, "bulk_with_chat": mixed,
-              "ttft_idle_s": summary(idle), "ttft_during_bulk_s": summary(during)}
+    result = {
+        "config": vars(args),
+        "bulk_alone": alone,
+        "bulk_with_chat": mixed,
+        "ttft_idle_s": summary(idle),
+        "ttft_during_bulk_s": summary(during),
+    }
     result["ttft_ratio_p50"] = result["ttft_during_bulk_s"]["p50"] / result["ttft_idle_s"]["p50"]
     result["within_2x"] = result["ttft_ratio_p50"] <= 2.0
     RESULTS.mkdir(exist_ok=True)

@@ -59,8 +59,12 @@ def in_process(args: argparse.Namespace, jobs: list) -> dict:
     run(jobs[:2])  # warm-up
     tokens, seconds, _ = run(jobs)
     _, _, stamps = run([(jobs[0][0], SamplingParams(max_tokens=48, ignore_eos=True))])
-    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-            "delta_gap_ms": 1000 * (stamps[-1] - stamps[0]) / (len(stamps) - 1)}
+    return {
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "delta_gap_ms": 1000 * (stamps[-1] - stamps[0]) / (len(stamps) - 1),
+    }
 
 
 def through_bus(url: str, jobs: list) -> dict:
@@ -92,9 +96,13 @@ def through_bus(url: str, jobs: list) -> dict:
         sync.tokenize(MODEL, "hello")
         round_trips.append(time.perf_counter() - t)
     sync.close()
-    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-            "delta_gap_ms": 1000 * (stamps[-1] - stamps[0]) / (len(stamps) - 1),
-            "round_trip_ms_median": 1000 * sorted(round_trips)[len(round_trips) // 2]}
+    return {
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "delta_gap_ms": 1000 * (stamps[-1] - stamps[0]) / (len(stamps) - 1),
+        "round_trip_ms_median": 1000 * sorted(round_trips)[len(round_trips) // 2],
+    }
 
 
 def plot(result: dict, path: Path) -> None:
@@ -122,10 +130,26 @@ def main() -> None:
     args = parser.parse_args()
     jobs = workload(args.requests)
     with RedisServer() as redis_server:
-        engine = subprocess.Popen([
-            sys.executable, "-m", "inference_engine", "serve", "--redis-url", redis_server.url,
-            "--served-model-name", MODEL, "--threads", str(args.threads), "--dtype", args.dtype,
-            "--max-model-len", "1024", "--log-level", "WARNING"])
+        engine = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "inference_engine",
+                "serve",
+                "--redis-url",
+                redis_server.url,
+                "--served-model-name",
+                MODEL,
+                "--threads",
+                str(args.threads),
+                "--dtype",
+                args.dtype,
+                "--max-model-len",
+                "1024",
+                "--log-level",
+                "WARNING",
+            ]
+        )
         try:
             client = EngineClient(redis_server.url)
             while not client.live_replicas(MODEL):  # load it first, so the two never overlap
@@ -138,9 +162,15 @@ def main() -> None:
         finally:
             engine.terminate()
             engine.wait(30)
-    result = {"requests": args.requests, "threads": args.threads, "dtype": args.dtype,
-              "in_process": local, "bus": bus, "bus_ratio": bus["tokens_per_s"] / local["tokens_per_s"],
-              "added_latency_per_delta_ms": bus["delta_gap_ms"] - local["delta_gap_ms"]}
+    result = {
+        "requests": args.requests,
+        "threads": args.threads,
+        "dtype": args.dtype,
+        "in_process": local,
+        "bus": bus,
+        "bus_ratio": bus["tokens_per_s"] / local["tokens_per_s"],
+        "added_latency_per_delta_ms": bus["delta_gap_ms"] - local["delta_gap_ms"],
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     plot(result, args.out.with_suffix(".png"))

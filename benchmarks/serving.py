@@ -59,15 +59,28 @@ def workload(num_requests: int, short_share: float, seed: int) -> list[tuple[str
     return [(f"Write a story about {rng.choice(TOPICS)} (#{i}).", b) for i, b in enumerate(budgets)]
 
 
-async def one_request(client: openai.AsyncOpenAI, model: str, index: int, prompt: str, max_tokens: int,
-                      arrival: float, start: float) -> Result:
+async def one_request(
+    client: openai.AsyncOpenAI,
+    model: str,
+    index: int,
+    prompt: str,
+    max_tokens: int,
+    arrival: float,
+    start: float,
+) -> Result:
     await asyncio.sleep(max(0.0, start + arrival - time.perf_counter()))
     sent = time.perf_counter()
     first: float | None = None
     tokens = 0
     stream = await client.completions.create(
-        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        model=model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     async for chunk in stream:
         if first is None and chunk.choices and chunk.choices[0].text:
             first = time.perf_counter()
@@ -77,8 +90,9 @@ async def one_request(client: openai.AsyncOpenAI, model: str, index: int, prompt
     return Result(index, max_tokens, arrival, (first or done) - sent, done - sent, tokens)
 
 
-async def run(base_url: str, api_key: str, model: str, rate: float, requests: list[tuple[str, int]],
-              seed: int) -> tuple[list[Result], float]:
+async def run(
+    base_url: str, api_key: str, model: str, rate: float, requests: list[tuple[str, int]], seed: int
+) -> tuple[list[Result], float]:
     rng = random.Random(seed + 1)
     arrivals, t = [], 0.0
     for _ in requests:
@@ -88,8 +102,12 @@ async def run(base_url: str, api_key: str, model: str, rate: float, requests: li
     # Warm-up: the first request pays one-off costs (connections, allocator) that are not serving latency.
     await client.completions.create(model=model, prompt="Hello", max_tokens=4, temperature=0)
     start = time.perf_counter()
-    results = await asyncio.gather(*(one_request(client, model, i, p, m, a, start)
-                                     for i, ((p, m), a) in enumerate(zip(requests, arrivals, strict=True))))
+    results = await asyncio.gather(
+        *(
+            one_request(client, model, i, p, m, a, start)
+            for i, ((p, m), a) in enumerate(zip(requests, arrivals, strict=True))
+        )
+    )
     wall = time.perf_counter() - start
     await client.close()
     return list(results), wall
@@ -128,13 +146,20 @@ def plot(summary: dict[str, Any], path: Path) -> None:
 
     rows = summary["per_request"]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for ax, key, label in ((axes[0], "ttft", "time to first token (s)"),
-                           (axes[1], "tpot", "time per output token (s)")):
+    for ax, key, label in (
+        (axes[0], "ttft", "time to first token (s)"),
+        (axes[1], "tpot", "time per output token (s)"),
+    ):
         for budget, colour in ((SHORT, "tab:orange"), (LONG, "tab:blue")):
             values = sorted(r[key] for r in rows if r["max_tokens"] == budget)
             if values:
-                ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], drawstyle="steps-post",
-                        color=colour, label=f"{budget}-token requests")
+                ax.plot(
+                    values,
+                    [(i + 1) / len(values) for i in range(len(values))],
+                    drawstyle="steps-post",
+                    color=colour,
+                    label=f"{budget}-token requests",
+                )
         ax.set_xlabel(label)
         ax.set_ylabel("fraction of requests")
         ax.legend()
@@ -143,16 +168,19 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     for r in rows:
         colour = "tab:orange" if r["max_tokens"] == SHORT else "tab:blue"
         ax.plot([r["arrival"], r["arrival"] + r["ttft"]], [r["index"]] * 2, color="0.7", linewidth=3)
-        ax.plot([r["arrival"] + r["ttft"], r["arrival"] + r["e2e"]], [r["index"]] * 2, color=colour,
-                linewidth=3)
+        ax.plot(
+            [r["arrival"] + r["ttft"], r["arrival"] + r["e2e"]], [r["index"]] * 2, color=colour, linewidth=3
+        )
     ax.set_xlabel("seconds since start (grey: waiting for the first token)")
     ax.set_ylabel("request")
     ax.grid(alpha=0.3)
     cfg = summary["config"]
-    fig.suptitle(f"llmserve over HTTP: {summary['requests']} requests, Poisson {cfg['rate']}/s -> "
-                 f"{summary['output_throughput_tok_per_s']:.1f} output tok/s, "
-                 f"TTFT p50 {summary['ttft_s']['p50']:.2f}s, "
-                 f"TPOT p50 {1000 * summary['tpot_s']['p50']:.0f}ms")
+    fig.suptitle(
+        f"llmserve over HTTP: {summary['requests']} requests, Poisson {cfg['rate']}/s -> "
+        f"{summary['output_throughput_tok_per_s']:.1f} output tok/s, "
+        f"TTFT p50 {summary['ttft_s']['p50']:.2f}s, "
+        f"TPOT p50 {1000 * summary['tpot_s']['p50']:.0f}ms"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -186,17 +214,32 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     finally:
         if stack is not None:
             stack.stop()
-    config = {"rate": args.rate, "num_requests": args.num_requests, "short_share": args.short_share,
-              "short_tokens": SHORT, "long_tokens": LONG, "seed": args.seed,
-              "url": args.url or "private stack",
-              "engine_threads": None if args.url else args.threads,
-              "max_num_seqs": None if args.url else args.max_num_seqs}
+    config = {
+        "rate": args.rate,
+        "num_requests": args.num_requests,
+        "short_share": args.short_share,
+        "short_tokens": SHORT,
+        "long_tokens": LONG,
+        "seed": args.seed,
+        "url": args.url or "private stack",
+        "engine_threads": None if args.url else args.threads,
+        "max_num_seqs": None if args.url else args.max_num_seqs,
+    }
     summary = summarize(results, wall, config)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(summary, indent=2))
     plot(summary, args.out.with_suffix(".png"))
-    brief = {k: summary[k] for k in ("wall_s", "output_throughput_tok_per_s", "request_throughput_per_s",
-                                     "ttft_s", "tpot_s", "e2e_s")}
+    brief = {
+        k: summary[k]
+        for k in (
+            "wall_s",
+            "output_throughput_tok_per_s",
+            "request_throughput_per_s",
+            "ttft_s",
+            "tpot_s",
+            "e2e_s",
+        )
+    }
     print(json.dumps(brief, indent=2))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
     return summary

@@ -16,9 +16,11 @@ from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: 
 
 from llmserve.routing import websocket_urlpatterns  # noqa: E402
 
-application = ProtocolTypeRouter({
-    # The standalone project has no web server in front: Django serves the chat page's static files itself.
-    "http": ASGIStaticFilesHandler(django_asgi_app),
-    # Only pages of our own hosts may open sockets (they carry the visitor's session cookie).
-    "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
-})
+application = ProtocolTypeRouter(
+    {
+        # The standalone project has no web server in front: Django serves the static files itself.
+        "http": ASGIStaticFilesHandler(django_asgi_app),
+        # Only pages of our own hosts may open sockets (they carry the visitor's session cookie).
+        "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
+    }
+)

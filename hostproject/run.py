@@ -47,13 +47,16 @@ class Service:
         self.name = name
         self.log_path = LOG_DIR / f"{name}.log"
         with open(self.log_path, "w") as log:
-            self.process = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True,
-                                             stdout=stdout or log, stderr=log)
+            self.process = subprocess.Popen(
+                cmd, cwd=ROOT, env=env, start_new_session=True, stdout=stdout or log, stderr=log
+            )
 
     def check(self) -> None:
         if self.process.poll() is not None:
-            raise ServiceFailed(f"{self.name} exited with {self.process.returncode}; the end of "
-                                f"{self.log_path}:\n{self.log_tail()}")
+            raise ServiceFailed(
+                f"{self.name} exited with {self.process.returncode}; the end of "
+                f"{self.log_path}:\n{self.log_tail()}"
+            )
 
     def log_tail(self, chars: int = 3000) -> str:
         return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
@@ -101,8 +104,11 @@ def _prepare_database() -> None:
         shown = "(from LLMSERVE_ADMIN_PASSWORD)" if password else None
         password = password or secrets.token_urlsafe(12)
         users.objects.create_superuser(username, "", password)
-        print(f"Created the admin login: user {username!r}, password {shown or password!r}"
-              f"{'' if shown else ' — shown only this once'}", flush=True)
+        print(
+            f"Created the admin login: user {username!r}, password {shown or password!r}"
+            f"{'' if shown else ' — shown only this once'}",
+            flush=True,
+        )
     if not ModelConfig.objects.exists():
         ModelConfig.objects.create(name=MODEL_NAME, source=ModelConfig.Source.BUNDLED)
 
@@ -131,8 +137,9 @@ def run(host: str, port: int) -> None:
     services: list[Service] = []  # in start order; stopped in reverse
     try:
         if not env.get("LLMSERVE_REDIS_URL"):
-            redis = Service("redis", [sys.executable, "-m", "inference_engine", "redis"], env,
-                            stdout=subprocess.PIPE)
+            redis = Service(
+                "redis", [sys.executable, "-m", "inference_engine", "redis"], env, stdout=subprocess.PIPE
+            )
             services.append(redis)
             url = redis.process.stdout.readline().decode().strip()
             if not url:  # it failed before printing its URL
@@ -146,23 +153,58 @@ def run(host: str, port: int) -> None:
         django.setup()
         from llmserve import conf
 
-        engine_cmd = [sys.executable, "-m", "inference_engine", "supervise", "--name", conf.get("SUPERVISOR"),
-                      "--served-model-name", MODEL_NAME, "--redis-url", conf.get("REDIS_URL"),
-                      "--prefix", conf.get("BUS_PREFIX")]
+        engine_cmd = [
+            sys.executable,
+            "-m",
+            "inference_engine",
+            "supervise",
+            "--name",
+            conf.get("SUPERVISOR"),
+            "--served-model-name",
+            MODEL_NAME,
+            "--redis-url",
+            conf.get("REDIS_URL"),
+            "--prefix",
+            conf.get("BUS_PREFIX"),
+        ]
         if env.get("LLMSERVE_ENGINE_THREADS"):
             engine_cmd += ["--threads", env["LLMSERVE_ENGINE_THREADS"]]
         services.append(Service("engine", engine_cmd, env))  # loads the model while the rest starts
         _prepare_database()
-        services.append(Service("celery", [sys.executable, "-m", "celery", "-A", "hostproject", "worker",
-                                           "--loglevel", "INFO", "--concurrency", "2"], env))
-        services.append(Service("daphne", [sys.executable, "-m", "daphne", "-b", host, "-p", str(port),
-                                           "hostproject.asgi:application"], env))
+        services.append(
+            Service(
+                "celery",
+                [
+                    sys.executable,
+                    "-m",
+                    "celery",
+                    "-A",
+                    "hostproject",
+                    "worker",
+                    "--loglevel",
+                    "INFO",
+                    "--concurrency",
+                    "2",
+                ],
+                env,
+            )
+        )
+        services.append(
+            Service(
+                "daphne",
+                [sys.executable, "-m", "daphne", "-b", host, "-p", str(port), "hostproject.asgi:application"],
+                env,
+            )
+        )
         base_url = f"http://{host}:{port}"
         print(f"Starting the engine with {MODEL_NAME} (logs in {LOG_DIR}) …", flush=True)
         _wait_ready(base_url, services)
-        print(f"\nllmserve is up:\n  Chat   {base_url}/chat/\n  Admin  {base_url}/admin/\n"
-              f"  API    {base_url}/v1/  (OpenAI-compatible; create an API key in the admin)\n"
-              "Press Ctrl-C to stop.", flush=True)
+        print(
+            f"\nllmserve is up:\n  Chat   {base_url}/chat/\n  Admin  {base_url}/admin/\n"
+            f"  API    {base_url}/v1/  (OpenAI-compatible; create an API key in the admin)\n"
+            "Press Ctrl-C to stop.",
+            flush=True,
+        )
         while True:
             for service in services:
                 service.check()

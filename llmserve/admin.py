@@ -25,9 +25,20 @@ class ModelConfigAdmin(admin.ModelAdmin):
     actions = ("load_models", "unload_models")
     fieldsets = (
         (None, {"fields": ("name", "enabled", "source", "path")}),
-        (_("Engine"), {"fields": ("dtype", "max_model_len", "block_size", "max_num_seqs",
-                                  "kv_cache_memory_bytes",
-                                  "gpu_memory_utilization", "enable_prefix_caching")}),
+        (
+            _("Engine"),
+            {
+                "fields": (
+                    "dtype",
+                    "max_model_len",
+                    "block_size",
+                    "max_num_seqs",
+                    "kv_cache_memory_bytes",
+                    "gpu_memory_utilization",
+                    "enable_prefix_caching",
+                )
+            },
+        ),
     )
 
     def changelist_view(self, request: HttpRequest, extra_context: dict | None = None) -> HttpResponse:
@@ -41,8 +52,11 @@ class ModelConfigAdmin(admin.ModelAdmin):
     @admin.display(description=_("engine"))
     def engine_status(self, obj: ModelConfig) -> str:
         state = self._state(obj)
-        return ngettext("up (%(n)d replica)", "up (%(n)d replicas)", state.replicas) % {"n": state.replicas} \
-            if state.up else _("down")
+        return (
+            ngettext("up (%(n)d replica)", "up (%(n)d replicas)", state.replicas) % {"n": state.replicas}
+            if state.up
+            else _("down")
+        )
 
     @admin.display(description=_("running / waiting"))
     def requests(self, obj: ModelConfig) -> str:
@@ -61,13 +75,23 @@ class ModelConfigAdmin(admin.ModelAdmin):
 
     @admin.action(description=_("Load selected models on the engine supervisor"))
     def load_models(self, request: HttpRequest, queryset: QuerySet[ModelConfig]) -> None:
-        self._control(request, queryset, lambda c, m: c.load_model(
-            m.name, m.model_path, engine_args=m.engine_args(), supervisor=conf.get("SUPERVISOR")), _("load"))
+        self._control(
+            request,
+            queryset,
+            lambda c, m: c.load_model(
+                m.name, m.model_path, engine_args=m.engine_args(), supervisor=conf.get("SUPERVISOR")
+            ),
+            _("load"),
+        )
 
     @admin.action(description=_("Unload selected models"))
     def unload_models(self, request: HttpRequest, queryset: QuerySet[ModelConfig]) -> None:
-        self._control(request, queryset,
-                      lambda c, m: c.unload_model(m.name, supervisor=conf.get("SUPERVISOR")), _("unload"))
+        self._control(
+            request,
+            queryset,
+            lambda c, m: c.unload_model(m.name, supervisor=conf.get("SUPERVISOR")),
+            _("unload"),
+        )
 
     def _control(self, request: HttpRequest, queryset: QuerySet[ModelConfig], send: Any, verb: str) -> None:
         client = bus.client()
@@ -77,8 +101,9 @@ class ModelConfigAdmin(admin.ModelAdmin):
             except EngineError as exc:
                 self.message_user(request, f"{model.name}: {exc}", messages.ERROR)
             else:
-                self.message_user(request, _("%(verb)s requested for %(name)s.") % {"verb": verb,
-                                                                                     "name": model.name})
+                self.message_user(
+                    request, _("%(verb)s requested for %(name)s.") % {"verb": verb, "name": model.name}
+                )
 
 
 @admin.register(APIKey)
@@ -99,18 +124,28 @@ class APIKeyAdmin(admin.ModelAdmin):
             super().save_model(request, obj, form, change)
             return
         created, raw = APIKey.objects.create_key(obj.name, rate_limit=obj.rate_limit)
-        obj.pk, obj.prefix, obj.hashed_key, obj.created_at = (created.pk, created.prefix, created.hashed_key,
-                                                               created.created_at)
+        obj.pk, obj.prefix, obj.hashed_key, obj.created_at = (
+            created.pk,
+            created.prefix,
+            created.hashed_key,
+            created.created_at,
+        )
         obj._state.adding = False
         request._llmserve_raw_key = raw  # shown once by response_add, stored nowhere
 
-    def response_add(self, request: HttpRequest, obj: APIKey, post_url_continue: str | None = None
-                     ) -> HttpResponse:
+    def response_add(
+        self, request: HttpRequest, obj: APIKey, post_url_continue: str | None = None
+    ) -> HttpResponse:
         raw = getattr(request, "_llmserve_raw_key", None)
         if raw is None:
             return super().response_add(request, obj, post_url_continue)
-        context = {**self.admin_site.each_context(request), "opts": self.opts, "key": obj, "raw_key": raw,
-                   "title": _("API key created")}
+        context = {
+            **self.admin_site.each_context(request),
+            "opts": self.opts,
+            "key": obj,
+            "raw_key": raw,
+            "title": _("API key created"),
+        }
         response = TemplateResponse(request, "llmserve/admin/apikey_created.html", context)
         response["Cache-Control"] = "no-store"
         return response

@@ -18,14 +18,18 @@ from inference_engine.bus.client import AsyncEngineClient, ClientSettings, Engin
 from llmserve import conf
 
 _async_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncEngineClient] = (
-    weakref.WeakKeyDictionary())
+    weakref.WeakKeyDictionary()
+)
 _sync_client: EngineClient | None = None
 
 
 def client_settings() -> ClientSettings:
-    return ClientSettings(prefix=conf.get("BUS_PREFIX"), ack_timeout=float(conf.get("ACK_TIMEOUT")),
-                          stream_timeout=float(conf.get("STREAM_TIMEOUT")),
-                          max_queue=int(conf.get("MAX_QUEUE")))
+    return ClientSettings(
+        prefix=conf.get("BUS_PREFIX"),
+        ack_timeout=float(conf.get("ACK_TIMEOUT")),
+        stream_timeout=float(conf.get("STREAM_TIMEOUT")),
+        max_queue=int(conf.get("MAX_QUEUE")),
+    )
 
 
 def async_client() -> AsyncEngineClient:

@@ -18,8 +18,14 @@ from django.core import checks
 
 from llmserve import conf
 
-_POSITIVE_NUMBERS = ("MAX_BODY_BYTES", "MAX_PROMPT_CHARS", "ACK_TIMEOUT", "STREAM_TIMEOUT", "MAX_QUEUE",
-                     "RETRY_AFTER")
+_POSITIVE_NUMBERS = (
+    "MAX_BODY_BYTES",
+    "MAX_PROMPT_CHARS",
+    "ACK_TIMEOUT",
+    "STREAM_TIMEOUT",
+    "MAX_QUEUE",
+    "RETRY_AFTER",
+)
 
 
 @checks.register(checks.Tags.compatibility)
@@ -27,27 +33,45 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
     values = conf.llmserve_settings()
     errors: list[checks.CheckMessage] = []
     for key in sorted(set(values) - set(conf.DEFAULTS)):
-        errors.append(checks.Error(f"Unknown key {key!r} in the LLMSERVE setting.",
-                                   hint=f"Known keys: {', '.join(sorted(conf.DEFAULTS))}.",
-                                   id="llmserve.E003"))
+        errors.append(
+            checks.Error(
+                f"Unknown key {key!r} in the LLMSERVE setting.",
+                hint=f"Known keys: {', '.join(sorted(conf.DEFAULTS))}.",
+                id="llmserve.E003",
+            )
+        )
     for key in _POSITIVE_NUMBERS:
         value = values[key]
         if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-            errors.append(checks.Error(f"LLMSERVE[{key!r}] must be a positive number, got {value!r}.",
-                                       id="llmserve.E004"))
+            errors.append(
+                checks.Error(
+                    f"LLMSERVE[{key!r}] must be a positive number, got {value!r}.", id="llmserve.E004"
+                )
+            )
     open_access = values["OPEN_ACCESS"]
     if not isinstance(open_access, bool):
-        errors.append(checks.Error(f"LLMSERVE['OPEN_ACCESS'] must be True or False, got {open_access!r}.",
-                                   id="llmserve.E004"))
+        errors.append(
+            checks.Error(
+                f"LLMSERVE['OPEN_ACCESS'] must be True or False, got {open_access!r}.", id="llmserve.E004"
+            )
+        )
     default_max = values["MAX_TOKENS_DEFAULT"]
-    if default_max is not None and (isinstance(default_max, bool) or not isinstance(default_max, int)
-                                    or default_max < 1):
-        errors.append(checks.Error(f"LLMSERVE['MAX_TOKENS_DEFAULT'] must be None or an integer >= 1, got "
-                                   f"{default_max!r}.", id="llmserve.E004"))
+    if default_max is not None and (
+        isinstance(default_max, bool) or not isinstance(default_max, int) or default_max < 1
+    ):
+        errors.append(
+            checks.Error(
+                f"LLMSERVE['MAX_TOKENS_DEFAULT'] must be None or an integer >= 1, got {default_max!r}.",
+                id="llmserve.E004",
+            )
+        )
     rate = values["DEFAULT_RATE_LIMIT"]
     if isinstance(rate, bool) or not isinstance(rate, int) or rate < 0:
-        errors.append(checks.Error(f"LLMSERVE['DEFAULT_RATE_LIMIT'] must be an integer >= 0, got {rate!r}.",
-                                   id="llmserve.E004"))
+        errors.append(
+            checks.Error(
+                f"LLMSERVE['DEFAULT_RATE_LIMIT'] must be an integer >= 0, got {rate!r}.", id="llmserve.E004"
+            )
+        )
     return errors
 
 
@@ -55,10 +79,14 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
 def check_redis(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
     url = conf.get("REDIS_URL")
     if not url:
-        return [checks.Error(
-            "No Redis URL for the llmserve request bus.",
-            hint=f"Set LLMSERVE['REDIS_URL'] (or ${conf.REDIS_URL_ENV}) to the Redis the engines use, "
-                 "e.g. redis://127.0.0.1:6379/0.", id="llmserve.E001")]
+        return [
+            checks.Error(
+                "No Redis URL for the llmserve request bus.",
+                hint=f"Set LLMSERVE['REDIS_URL'] (or ${conf.REDIS_URL_ENV}) to the Redis the engines use, "
+                "e.g. redis://127.0.0.1:6379/0.",
+                id="llmserve.E001",
+            )
+        ]
     import redis
 
     try:
@@ -68,9 +96,13 @@ def check_redis(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMess
         finally:
             client.close()
     except (redis.RedisError, ValueError) as exc:
-        return [checks.Error(f"The llmserve Redis at {_redact(url)} does not answer: {exc}",
-                             hint="Start Redis (or `python -m inference_engine redis`) or fix the URL.",
-                             id="llmserve.E002")]
+        return [
+            checks.Error(
+                f"The llmserve Redis at {_redact(url)} does not answer: {exc}",
+                hint="Start Redis (or `python -m inference_engine redis`) or fix the URL.",
+                id="llmserve.E002",
+            )
+        ]
     return []
 
 

@@ -58,8 +58,9 @@ CLOSE_UNAUTHORIZED = 4401  # application close codes live in 4000-4999
 class ChatError(Exception):
     """A refusal to report on the socket: ``{"type": "error", "code", "message", "param"}``."""
 
-    def __init__(self, code: str, message: str, param: str | None = None,
-                 retry_after: float | None = None) -> None:
+    def __init__(
+        self, code: str, message: str, param: str | None = None, retry_after: float | None = None
+    ) -> None:
         super().__init__(message)
         self.code, self.message, self.param, self.retry_after = code, message, param, retry_after
 
@@ -93,10 +94,20 @@ class Answer:
         rate = None
         if self.first_token is not None and self.last_token and self.last_token > self.first_token:
             rate = (self.completion_tokens - 1) / (self.last_token - self.first_token)
-        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                 "total_tokens": self.prompt_tokens + self.completion_tokens}
-        return {"type": "end", "id": self.id, "finish_reason": finish_reason, "usage": usage,
-                "ttft": ttft, "tokens_per_s": rate, "elapsed": time.monotonic() - self.received}
+        usage = {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
+        return {
+            "type": "end",
+            "id": self.id,
+            "finish_reason": finish_reason,
+            "usage": usage,
+            "ttft": ttft,
+            "tokens_per_s": rate,
+            "elapsed": time.monotonic() - self.received,
+        }
 
 
 class ChatConsumer(AsyncJsonWebsocketConsumer):
@@ -116,14 +127,20 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
             await self._send_error(ChatError("login_required", str(exc)))
             await self.close(code=CLOSE_UNAUTHORIZED)
             return
-        await self.send_json({"type": "ready", "models": await self._models_or_empty(),
-                              "max_prompt_chars": conf.get("MAX_PROMPT_CHARS")})
+        await self.send_json(
+            {
+                "type": "ready",
+                "models": await self._models_or_empty(),
+                "max_prompt_chars": conf.get("MAX_PROMPT_CHARS"),
+            }
+        )
 
     async def disconnect(self, code: int) -> None:
         await self._cancel()
 
-    async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None, **kwargs: Any
-                      ) -> None:
+    async def receive(
+        self, text_data: str | None = None, bytes_data: bytes | None = None, **kwargs: Any
+    ) -> None:
         """Parse defensively: bad input gets an error message, never an exception that closes the socket."""
         if self.principal is None:
             return
@@ -131,8 +148,9 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
             await self._send_error(ChatError("invalid_message", "Send JSON text frames, not binary ones."))
             return
         if len(text_data) > conf.get("MAX_BODY_BYTES"):
-            await self._send_error(ChatError("request_too_large",
-                                             f"Messages are limited to {conf.get('MAX_BODY_BYTES')} bytes."))
+            await self._send_error(
+                ChatError("request_too_large", f"Messages are limited to {conf.get('MAX_BODY_BYTES')} bytes.")
+            )
             return
         try:
             content = json.loads(text_data)
@@ -156,8 +174,11 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
         elif kind == "models":
             await self.send_json({"type": "models", "models": await self._models()})
         else:
-            raise ChatError("invalid_message", "A message is an object whose `type` is chat, stop or models.",
-                            param="type")
+            raise ChatError(
+                "invalid_message",
+                "A message is an object whose `type` is chat, stop or models.",
+                param="type",
+            )
 
     # ---------------------------------------------------------------------------------------- answering
 
@@ -181,15 +202,22 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
         timer = _Timer(request.model, answer.received)
         try:
             try:
-                stream = await bus.async_client().generate(request.model, params=request.params,
-                                                           messages=request.messages)
+                stream = await bus.async_client().generate(
+                    request.model, params=request.params, messages=request.messages
+                )
             except ModelNotFoundError:
                 raise ChatError.from_api(errors.model_not_served(request.model, configured)) from None
             timer.accepted()
             async with stream:  # aborts the request however this block is left early
                 answer.prompt_tokens = stream.prompt_tokens or 0
-                await self.send_json({"type": "start", "id": answer.id, "model": answer.model,
-                                      "prompt_tokens": answer.prompt_tokens})
+                await self.send_json(
+                    {
+                        "type": "start",
+                        "id": answer.id,
+                        "model": answer.model,
+                        "prompt_tokens": answer.prompt_tokens,
+                    }
+                )
                 async for delta in stream:
                     timer.delta(delta)
                     answer.saw(delta)
@@ -234,7 +262,7 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
     def _api_key(self) -> str | None:
         for protocol in self.scope.get("subprotocols", ()):
             if protocol.startswith(KEY_SUBPROTOCOL):
-                return protocol[len(KEY_SUBPROTOCOL):]
+                return protocol[len(KEY_SUBPROTOCOL) :]
         header = dict(self.scope.get("headers", ())).get(b"authorization")
         return bearer_token(header.decode("latin-1")) if header else None
 
@@ -275,8 +303,16 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
             return []
 
     async def _send_error(self, exc: ChatError, request_id: Any = None) -> None:
-        await self.send_json({"type": "error", "id": request_id, "code": exc.code, "message": exc.message,
-                              "param": exc.param, "retry_after": exc.retry_after})
+        await self.send_json(
+            {
+                "type": "error",
+                "id": request_id,
+                "code": exc.code,
+                "message": exc.message,
+                "param": exc.param,
+                "retry_after": exc.retry_after,
+            }
+        )
 
 
 # Body fields the chat decides itself: one streamed answer, no logprobs.

@@ -25,7 +25,8 @@ class EngineState:
             return cls(up=False)
         stats = [r.data.get("stats", {}) for r in info.replicas]
         return cls(
-            up=True, replicas=len(info.replicas),
+            up=True,
+            replicas=len(info.replicas),
             running=sum(s.get("num_running", 0) for s in stats),
             waiting=sum(s.get("num_waiting", 0) for s in stats),
             kv_usage=sum(s.get("kv_usage", 0.0) for s in stats) / len(stats),

@@ -33,29 +33,44 @@ class ModelConfig(models.Model):
         FLOAT16 = "float16", "float16"
 
     name = models.CharField(
-        _("served name"), max_length=100, unique=True,
-        validators=[RegexValidator(r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$",
-                                   _("Letters, digits and . _ : / - only."))],
-        help_text=_("The name clients pass as `model`."))
+        _("served name"),
+        max_length=100,
+        unique=True,
+        validators=[
+            RegexValidator(r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$", _("Letters, digits and . _ : / - only."))
+        ],
+        help_text=_("The name clients pass as `model`."),
+    )
     source = models.CharField(_("source"), max_length=10, choices=Source.choices, default=Source.BUNDLED)
-    path = models.CharField(_("path"), max_length=500, blank=True,
-                            help_text=_("Folder or .gguf file on the engine host; empty for the bundled "
-                                        "model."))
+    path = models.CharField(
+        _("path"),
+        max_length=500,
+        blank=True,
+        help_text=_("Folder or .gguf file on the engine host; empty for the bundled model."),
+    )
     dtype = models.CharField(_("dtype"), max_length=10, choices=DType.choices, default=DType.AUTO)
-    max_model_len = models.PositiveIntegerField(_("max model length"), null=True, blank=True,
-                                                help_text=_("Context length; empty = the model's own."))
-    block_size = models.PositiveSmallIntegerField(_("KV block size"), choices=[(8, 8), (16, 16), (32, 32)],
-                                                  default=16)
-    max_num_seqs = models.PositiveIntegerField(_("max concurrent sequences"), default=256,
-                                               validators=[MinValueValidator(1)])
+    max_model_len = models.PositiveIntegerField(
+        _("max model length"), null=True, blank=True, help_text=_("Context length; empty = the model's own.")
+    )
+    block_size = models.PositiveSmallIntegerField(
+        _("KV block size"), choices=[(8, 8), (16, 16), (32, 32)], default=16
+    )
+    max_num_seqs = models.PositiveIntegerField(
+        _("max concurrent sequences"), default=256, validators=[MinValueValidator(1)]
+    )
     kv_cache_memory_bytes = models.PositiveBigIntegerField(
-        _("KV cache memory (bytes)"), null=True, blank=True,
-        help_text=_("Explicit KV budget; empty = the engine's default (GPU share, or 1 GiB on CPU)."))
+        _("KV cache memory (bytes)"),
+        null=True,
+        blank=True,
+        help_text=_("Explicit KV budget; empty = the engine's default (GPU share, or 1 GiB on CPU)."),
+    )
     gpu_memory_utilization = models.FloatField(_("GPU memory utilization"), default=0.9)
     enable_prefix_caching = models.BooleanField(_("prefix caching"), default=True)
     enabled = models.BooleanField(
-        _("enabled"), default=True,
-        help_text=_("Disabled models are refused by the API even if an engine serves them."))
+        _("enabled"),
+        default=True,
+        help_text=_("Disabled models are refused by the API even if an engine serves them."),
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -75,7 +90,9 @@ class ModelConfig(models.Model):
     def engine_args(self) -> dict[str, Any]:
         """Engine options by EngineConfig name (the supervisor's load message and `serve` flags use these)."""
         args: dict[str, Any] = {
-            "dtype": self.dtype, "block_size": self.block_size, "max_num_seqs": self.max_num_seqs,
+            "dtype": self.dtype,
+            "block_size": self.block_size,
+            "max_num_seqs": self.max_num_seqs,
             "gpu_memory_utilization": self.gpu_memory_utilization,
             "enable_prefix_caching": self.enable_prefix_caching,
         }
@@ -123,8 +140,11 @@ class APIKey(models.Model):
     prefix = models.CharField(_("prefix"), max_length=20, editable=False, db_index=True)
     hashed_key = models.CharField(max_length=64, unique=True, editable=False)
     rate_limit = models.PositiveIntegerField(
-        _("rate limit (requests/minute)"), null=True, blank=True,
-        help_text=_("Empty = the LLMSERVE['DEFAULT_RATE_LIMIT'] setting; 0 = unlimited."))
+        _("rate limit (requests/minute)"),
+        null=True,
+        blank=True,
+        help_text=_("Empty = the LLMSERVE['DEFAULT_RATE_LIMIT'] setting; 0 = unlimited."),
+    )
     revoked = models.BooleanField(_("revoked"), default=False)
     created_at = models.DateTimeField(_("created"), auto_now_add=True)
     last_used_at = models.DateTimeField(_("last used"), null=True, blank=True, editable=False)

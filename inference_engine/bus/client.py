@@ -66,8 +66,9 @@ class Tokenized:
     max_model_len: int | None
 
 
-def _request_message(kind: str, request_id: str, prompt: str | list[int] | None,
-                     messages: list[dict] | None, **extra: Any) -> dict[str, Any]:
+def _request_message(
+    kind: str, request_id: str, prompt: str | list[int] | None, messages: list[dict] | None, **extra: Any
+) -> dict[str, Any]:
     message: dict[str, Any] = {"type": kind, "id": request_id, **extra}
     if (prompt is None) == (messages is None):
         raise InvalidRequestError("give exactly one of prompt and messages.")
@@ -91,8 +92,11 @@ def _params(params: SamplingParams | dict | None) -> SamplingParams:
 def _models_from(keys_rows: list[tuple[str, list[str | None]]]) -> list[P.ModelInfo]:
     models = []
     for name, (replica_ids, values) in keys_rows:
-        replicas = [P.ReplicaInfo(rid, name, json.loads(v))
-                    for rid, v in zip(replica_ids, values, strict=True) if v is not None]
+        replicas = [
+            P.ReplicaInfo(rid, name, json.loads(v))
+            for rid, v in zip(replica_ids, values, strict=True)
+            if v is not None
+        ]
         if replicas:
             models.append(P.ModelInfo(name, replicas))
     return models
@@ -149,12 +153,14 @@ class _Waiter:
         if remaining <= 0:
             raise EngineUnavailableError(
                 f"no answer from the engine for model {self.model!r} within {self.timeout:g}s "
-                f"(request {self.request_id}).")
+                f"(request {self.request_id})."
+            )
         return max(1, int(min(remaining, poll) * 1000))
 
     def dead(self) -> EngineUnavailableError:
         return EngineUnavailableError(
-            f"no live engine replica for model {self.model!r} (request {self.request_id}).")
+            f"no live engine replica for model {self.model!r} (request {self.request_id})."
+        )
 
 
 def _request_streams(keys: P.Keys, model: str, priority: int) -> tuple[str, tuple[str, ...]]:
@@ -266,36 +272,57 @@ class GenerationStream(_StreamState):
 class EngineClient:
     """Synchronous bus client (Celery tasks, management commands, scripts). Thread-safe: redis-py pools."""
 
-    def __init__(self, redis_url: str | None = None, *, settings: ClientSettings | None = None,
-                 **overrides: Any) -> None:
+    def __init__(
+        self, redis_url: str | None = None, *, settings: ClientSettings | None = None, **overrides: Any
+    ) -> None:
         self.settings = settings or ClientSettings(**overrides)
         self.keys = P.Keys(self.settings.prefix)
         url = redis_url or os.environ.get(REDIS_URL_ENV, DEFAULT_REDIS_URL)
-        self.redis = redis.Redis.from_url(url, decode_responses=True, socket_timeout=10,
-                                          socket_connect_timeout=5)
+        self.redis = redis.Redis.from_url(
+            url, decode_responses=True, socket_timeout=10, socket_connect_timeout=5
+        )
 
     def close(self) -> None:
         self.redis.close()
 
-    def generate(self, model: str, prompt: str | list[int] | None = None, params: SamplingParams | dict | None
-                 = None, *, messages: list[dict] | None = None, request_id: str | None = None,
-                 priority: int = 0) -> GenerationStream:
+    def generate(
+        self,
+        model: str,
+        prompt: str | list[int] | None = None,
+        params: SamplingParams | dict | None = None,
+        *,
+        messages: list[dict] | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> GenerationStream:
         """Submit a generation and wait for the engine's acknowledgement: typed errors come before any delta.
 
         `prompt` is text or token ids; `messages` (chat) is rendered with the engine's chat template.
         `priority`: lower runs earlier (interactive 0, bulk jobs e.g. 10).
         """
         request_id = request_id or uuid.uuid4().hex
-        message = _request_message(P.GENERATE, request_id, prompt, messages, params=_params(params).to_dict(),
-                                   priority=int(priority), arrival_time=time.time())
+        message = _request_message(
+            P.GENERATE,
+            request_id,
+            prompt,
+            messages,
+            params=_params(params).to_dict(),
+            priority=int(priority),
+            arrival_time=time.time(),
+        )
         stream = GenerationStream(self, model, request_id)
-        self._submit(model, *_request_streams(self.keys, model, int(priority)), message,
-                     backlog_limit=self.settings.max_queue)
+        self._submit(
+            model,
+            *_request_streams(self.keys, model, int(priority)),
+            message,
+            backlog_limit=self.settings.max_queue,
+        )
         stream._wait_ack()
         return stream
 
-    def tokenize(self, model: str, prompt: str | None = None, *, messages: list[dict] | None = None
-                 ) -> Tokenized:
+    def tokenize(
+        self, model: str, prompt: str | None = None, *, messages: list[dict] | None = None
+    ) -> Tokenized:
         message = self._call(model, _request_message(P.TOKENIZE, uuid.uuid4().hex, prompt, messages))
         return Tokenized(message["token_ids"], message.get("max_model_len"))
 
@@ -308,8 +335,12 @@ class EngineClient:
         try:
             with self.redis.pipeline(transaction=False) as pipe:
                 pipe.set(self.keys.abort(request_id), 1, ex=self.settings.id_ttl)
-                pipe.xadd(self.keys.aborts(model), {"id": request_id}, maxlen=P.ABORT_STREAM_MAXLEN,
-                          approximate=True)
+                pipe.xadd(
+                    self.keys.aborts(model),
+                    {"id": request_id},
+                    maxlen=P.ABORT_STREAM_MAXLEN,
+                    approximate=True,
+                )
                 pipe.execute()
         except redis.RedisError as exc:
             raise _lost(exc) from exc
@@ -339,13 +370,22 @@ class EngineClient:
             raise _lost(exc) from exc
         return _models_from(rows)
 
-    def load_model(self, name: str, model: str | None = None, *, engine_args: dict | None = None,
-                   supervisor: str = "default", timeout: float | None = None) -> None:
+    def load_model(
+        self,
+        name: str,
+        model: str | None = None,
+        *,
+        engine_args: dict | None = None,
+        supervisor: str = "default",
+        timeout: float | None = None,
+    ) -> None:
         """Ask a supervisor to start an engine serving `model` (path; None = bundled default) as `name`.
         With `timeout`, wait until a replica of it is live."""
         self._check_supervisor(supervisor)
-        self.redis.xadd(self.keys.control(supervisor), P.encode(
-            {"type": P.LOAD, "name": name, "model": model, "engine_args": engine_args or {}}))
+        self.redis.xadd(
+            self.keys.control(supervisor),
+            P.encode({"type": P.LOAD, "name": name, "model": model, "engine_args": engine_args or {}}),
+        )
         if timeout is not None:
             self._wait_for(lambda: bool(self.live_replicas(name)), timeout, f"model {name!r} to load")
 
@@ -366,8 +406,14 @@ class EngineClient:
                 raise EngineUnavailableError(f"timed out after {timeout:g}s waiting for {what}.")
             time.sleep(0.1)
 
-    def _submit(self, model: str, stream_key: str, counted: tuple[str, ...], message: dict[str, Any],
-                backlog_limit: int | None) -> None:
+    def _submit(
+        self,
+        model: str,
+        stream_key: str,
+        counted: tuple[str, ...],
+        message: dict[str, Any],
+        backlog_limit: int | None,
+    ) -> None:
         """Queue `message` on `stream_key`, refused as overloaded when the `counted` streams' backlog (their
         XLEN together) has reached `backlog_limit`."""
         request_id = message["id"]
@@ -473,32 +519,53 @@ class AsyncGenerationStream(_StreamState):
 class AsyncEngineClient:
     """asyncio bus client (Django async views, Channels consumers). Use one per event loop."""
 
-    def __init__(self, redis_url: str | None = None, *, settings: ClientSettings | None = None,
-                 **overrides: Any) -> None:
+    def __init__(
+        self, redis_url: str | None = None, *, settings: ClientSettings | None = None, **overrides: Any
+    ) -> None:
         self.settings = settings or ClientSettings(**overrides)
         self.keys = P.Keys(self.settings.prefix)
         url = redis_url or os.environ.get(REDIS_URL_ENV, DEFAULT_REDIS_URL)
-        self.redis = aredis.Redis.from_url(url, decode_responses=True, socket_timeout=10,
-                                           socket_connect_timeout=5)
+        self.redis = aredis.Redis.from_url(
+            url, decode_responses=True, socket_timeout=10, socket_connect_timeout=5
+        )
 
     async def close(self) -> None:
         await self.redis.aclose()
 
-    async def generate(self, model: str, prompt: str | list[int] | None = None,
-                       params: SamplingParams | dict | None = None, *, messages: list[dict] | None = None,
-                       request_id: str | None = None, priority: int = 0) -> AsyncGenerationStream:
+    async def generate(
+        self,
+        model: str,
+        prompt: str | list[int] | None = None,
+        params: SamplingParams | dict | None = None,
+        *,
+        messages: list[dict] | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> AsyncGenerationStream:
         """See `EngineClient.generate`."""
         request_id = request_id or uuid.uuid4().hex
-        message = _request_message(P.GENERATE, request_id, prompt, messages, params=_params(params).to_dict(),
-                                   priority=int(priority), arrival_time=time.time())
+        message = _request_message(
+            P.GENERATE,
+            request_id,
+            prompt,
+            messages,
+            params=_params(params).to_dict(),
+            priority=int(priority),
+            arrival_time=time.time(),
+        )
         stream = AsyncGenerationStream(self, model, request_id)
-        await self._submit(model, *_request_streams(self.keys, model, int(priority)), message,
-                           backlog_limit=self.settings.max_queue)
+        await self._submit(
+            model,
+            *_request_streams(self.keys, model, int(priority)),
+            message,
+            backlog_limit=self.settings.max_queue,
+        )
         await stream._wait_ack()
         return stream
 
-    async def tokenize(self, model: str, prompt: str | None = None, *, messages: list[dict] | None = None
-                       ) -> Tokenized:
+    async def tokenize(
+        self, model: str, prompt: str | None = None, *, messages: list[dict] | None = None
+    ) -> Tokenized:
         message = await self._call(model, _request_message(P.TOKENIZE, uuid.uuid4().hex, prompt, messages))
         return Tokenized(message["token_ids"], message.get("max_model_len"))
 
@@ -510,8 +577,12 @@ class AsyncEngineClient:
         try:
             async with self.redis.pipeline(transaction=False) as pipe:
                 pipe.set(self.keys.abort(request_id), 1, ex=self.settings.id_ttl)
-                pipe.xadd(self.keys.aborts(model), {"id": request_id}, maxlen=P.ABORT_STREAM_MAXLEN,
-                          approximate=True)
+                pipe.xadd(
+                    self.keys.aborts(model),
+                    {"id": request_id},
+                    maxlen=P.ABORT_STREAM_MAXLEN,
+                    approximate=True,
+                )
                 await pipe.execute()
         except redis.RedisError as exc:
             raise _lost(exc) from exc
@@ -539,8 +610,14 @@ class AsyncEngineClient:
             raise _lost(exc) from exc
         return _models_from(rows)
 
-    async def _submit(self, model: str, stream_key: str, counted: tuple[str, ...], message: dict[str, Any],
-                      backlog_limit: int | None) -> None:
+    async def _submit(
+        self,
+        model: str,
+        stream_key: str,
+        counted: tuple[str, ...],
+        message: dict[str, Any],
+        backlog_limit: int | None,
+    ) -> None:
         request_id = message["id"]
         try:
             if not await self.live_replicas(model):
@@ -551,8 +628,9 @@ class AsyncEngineClient:
                         pipe.xlen(key)
                     if sum(await pipe.execute()) >= backlog_limit:
                         raise _overloaded(model, backlog_limit)
-            if not await self.redis.set(self.keys.request_id(request_id), model, nx=True,
-                                        ex=self.settings.id_ttl):
+            if not await self.redis.set(
+                self.keys.request_id(request_id), model, nx=True, ex=self.settings.id_ttl
+            ):
                 raise InvalidRequestError(f"duplicate request id {request_id!r}.")
             await self.redis.xadd(stream_key, P.encode(message))
         except redis.RedisError as exc:
@@ -566,5 +644,13 @@ class AsyncEngineClient:
         return answer
 
 
-__all__ = ["AsyncEngineClient", "AsyncGenerationStream", "ClientSettings", "EngineClient", "EngineError",
-           "GenerationResult", "GenerationStream", "Tokenized"]
+__all__ = [
+    "AsyncEngineClient",
+    "AsyncGenerationStream",
+    "ClientSettings",
+    "EngineClient",
+    "EngineError",
+    "GenerationResult",
+    "GenerationStream",
+    "Tokenized",
+]

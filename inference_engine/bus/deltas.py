@@ -27,9 +27,14 @@ class DeltaTracker:
             if len(out.text) == text_at and len(out.token_ids) == tokens_at:
                 continue
             logprobs = out.logprobs[tokens_at:] if out.logprobs is not None else None
-            changes.append({"index": out.index, "text": out.text[text_at:],
-                            "token_ids": list(out.token_ids[tokens_at:]),
-                            "logprobs": P.encode_logprobs(logprobs)})
+            changes.append(
+                {
+                    "index": out.index,
+                    "text": out.text[text_at:],
+                    "token_ids": list(out.token_ids[tokens_at:]),
+                    "logprobs": P.encode_logprobs(logprobs),
+                }
+            )
             self._sent_text[out.index] = len(out.text)
             self._sent_tokens[out.index] = len(out.token_ids)
         messages = [{"type": P.DELTA, "outputs": changes, "replica": replica}] if changes else []
@@ -43,9 +48,13 @@ class DeltaTracker:
         completion = sum(self._sent_tokens.values())
         return {
             "type": P.FINAL,
-            "outputs": [{"index": i, "finish_reason": finish, "stop_reason": stop}
-                        for i, finish, stop in reasons],
-            "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
-                      "total_tokens": self.prompt_tokens + completion},
+            "outputs": [
+                {"index": i, "finish_reason": finish, "stop_reason": stop} for i, finish, stop in reasons
+            ],
+            "usage": {
+                "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion,
+            },
             "replica": replica,
         }

@@ -21,8 +21,9 @@ class Heartbeat:
     whose key is gone, and clients stop waiting for a model none of whose keys exist.
     """
 
-    def __init__(self, redis_url: str, keys: Keys, replica_id: str, model: str, interval: float,
-                 ttl: float) -> None:
+    def __init__(
+        self, redis_url: str, keys: Keys, replica_id: str, model: str, interval: float, ttl: float
+    ) -> None:
         self.redis = redis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=2)
         self.keys, self.replica_id, self.model = keys, replica_id, model
         self.interval, self.ttl = interval, ttl

@@ -218,8 +218,10 @@ def delta_from_message(request_id: str, message: dict[str, Any]) -> RequestDelta
             for o in message["outputs"]
         ]
         return RequestDelta(request_id, outputs)
-    outputs = [CompletionDelta(o["index"], finish_reason=o["finish_reason"], stop_reason=o.get("stop_reason"))
-               for o in message["outputs"]]
+    outputs = [
+        CompletionDelta(o["index"], finish_reason=o["finish_reason"], stop_reason=o.get("stop_reason"))
+        for o in message["outputs"]
+    ]
     return RequestDelta(request_id, outputs, finished=True, usage=Usage(**message["usage"]))
 
 

@@ -58,17 +58,29 @@ class _Live:
 class EngineServer:
     """Serves one engine (one model) on the bus until `stop()`."""
 
-    def __init__(self, engine: Any, redis_url: str, model_name: str | None = None,
-                 settings: ServeSettings | None = None) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        redis_url: str,
+        model_name: str | None = None,
+        settings: ServeSettings | None = None,
+    ) -> None:
         self.engine = engine
         self.settings = settings or ServeSettings()
         self.model = model_name or engine.model_name
         self.keys = P.Keys(self.settings.prefix)
         self.replica_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        self.redis = redis.Redis.from_url(redis_url, decode_responses=True, socket_timeout=10,
-                                          socket_connect_timeout=5)
-        self.heartbeat = Heartbeat(redis_url, self.keys, self.replica_id, self.model,
-                                   self.settings.heartbeat_interval, self.settings.heartbeat_ttl)
+        self.redis = redis.Redis.from_url(
+            redis_url, decode_responses=True, socket_timeout=10, socket_connect_timeout=5
+        )
+        self.heartbeat = Heartbeat(
+            redis_url,
+            self.keys,
+            self.replica_id,
+            self.model,
+            self.settings.heartbeat_interval,
+            self.settings.heartbeat_ttl,
+        )
         self.max_inflight = self.settings.max_inflight or engine.config.max_num_seqs
         self.req_stream, self.util_stream = self.keys.requests(self.model), self.keys.utility(self.model)
         self.low_stream = self.keys.low_priority_requests(self.model)
@@ -187,8 +199,9 @@ class EngineServer:
             if block:
                 taking = self._capacity([])[1] > 0
                 streams = dict.fromkeys(self.streams if taking else [self.util_stream], ">")
-                pipe.xreadgroup(P.GROUP, self.replica_id, streams, count=1,
-                                block=int(self.settings.idle_block * 1000))
+                pipe.xreadgroup(
+                    P.GROUP, self.replica_id, streams, count=1, block=int(self.settings.idle_block * 1000)
+                )
             replies = self._execute(pipe)
         if replies is None:
             return [], []
@@ -255,8 +268,12 @@ class EngineServer:
             log.warning("Redis lost its data; failing %d in-flight request(s)", len(self._live))
             self.engine.abort_request(list(self._live))
             for rid in list(self._live):
-                self._fail(rid, EngineUnavailableError(
-                    "Redis lost its data (restarted?) while this request ran; it was not finished."))
+                self._fail(
+                    rid,
+                    EngineUnavailableError(
+                        "Redis lost its data (restarted?) while this request ran; it was not finished."
+                    ),
+                )
         self._connect()
         return None
 
@@ -280,9 +297,13 @@ class EngineServer:
         rid = message["id"]
         try:
             params = SamplingParams.from_dict(message["params"])
-            prompt_ids = self.engine.add_request(rid, self._prompt(message), params,
-                                                 priority=int(message.get("priority", 0)),
-                                                 arrival_time=message.get("arrival_time"))
+            prompt_ids = self.engine.add_request(
+                rid,
+                self._prompt(message),
+                params,
+                priority=int(message.get("priority", 0)),
+                arrival_time=message.get("arrival_time"),
+            )
         except Exception as exc:
             if not isinstance(exc, EngineError):  # a bug, not a refusal: fail it loudly, serve the others
                 log.exception("request %s failed to start", rid)
@@ -313,8 +334,12 @@ class EngineServer:
             else:
                 prompt = self._prompt(message)
                 ids = prompt if isinstance(prompt, list) else self.engine.tokenizer.encode(prompt)
-                answer = {"type": P.RESULT, "token_ids": list(ids), "count": len(ids),
-                          "max_model_len": self.engine.max_model_len}
+                answer = {
+                    "type": P.RESULT,
+                    "token_ids": list(ids),
+                    "count": len(ids),
+                    "max_model_len": self.engine.max_model_len,
+                }
         except Exception as exc:
             answer = P.error_message(exc if hasattr(exc, "code") else InvalidRequestError(str(exc)))
         self._writes.append((message["id"], answer))
@@ -377,11 +402,16 @@ class EngineServer:
         then, before = self._last_tokens
         self._last_tokens = (now, tokens)
         self.heartbeat.payload = {
-            "replica": self.replica_id, "model": self.model, "host": socket.gethostname(), "pid": os.getpid(),
-            "started_at": self._started_at, "time": time.time(),
+            "replica": self.replica_id,
+            "model": self.model,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started_at": self._started_at,
+            "time": time.time(),
             "config": dataclasses.asdict(self.engine.config),
             "max_model_len": self.engine.max_model_len,
-            "inflight": len(self._live), "max_inflight": self.max_inflight,
+            "inflight": len(self._live),
+            "max_inflight": self.max_inflight,
             "inflight_interactive": sum(1 for live in self._live.values() if live.stream == self.req_stream),
             "tokens_per_s": (tokens - before) / (now - then) if now > then else 0.0,
             "stats": stats,
@@ -403,8 +433,9 @@ class EngineServer:
         """Take over the pending entries of a dead consumer (or our own after a lost connection)."""
         min_idle = 0 if consumer == self.replica_id else int(self.settings.claim_min_idle * 1000)
         for stream in self.streams:
-            pending = self.redis.xpending_range(stream, P.GROUP, min="-", max="+", count=1000,
-                                                consumername=consumer)
+            pending = self.redis.xpending_range(
+                stream, P.GROUP, min="-", max="+", count=1000, consumername=consumer
+            )
             if pending:
                 ids = [p["message_id"] for p in pending]
                 for entry_id, fields in self.redis.xclaim(stream, P.GROUP, self.replica_id, min_idle, ids):
@@ -429,9 +460,17 @@ class EngineServer:
         if seen in (P.FINAL, P.ERROR) or self.redis.exists(self.keys.abort(rid)):
             self._done.append((stream, entry_id))
         elif seen == P.DELTA:
-            self._writes.append((rid, P.error_message(EngineUnavailableError(
-                "the engine replica serving this request died after streaming part of it; "
-                "it was not re-run."))))
+            self._writes.append(
+                (
+                    rid,
+                    P.error_message(
+                        EngineUnavailableError(
+                            "the engine replica serving this request died after streaming part of it; "
+                            "it was not re-run."
+                        )
+                    ),
+                )
+            )
             self._done.append((stream, entry_id))
         else:
             self._start(stream, entry_id, message)

@@ -39,11 +39,22 @@ class _Child:
     state: str = "running"  # "running" | "failed"
 
 
-def serve_command(redis_url: str, name: str, model: str | None, engine_args: dict[str, Any],
-                  prefix: str, extra: list[str]) -> list[str]:
+def serve_command(
+    redis_url: str, name: str, model: str | None, engine_args: dict[str, Any], prefix: str, extra: list[str]
+) -> list[str]:
     """The `serve` command line for one model; `engine_args` uses EngineConfig / CLI names (dashes or not)."""
-    cmd = [sys.executable, "-m", "inference_engine", "serve", "--redis-url", redis_url,
-           "--served-model-name", name, "--prefix", prefix]
+    cmd = [
+        sys.executable,
+        "-m",
+        "inference_engine",
+        "serve",
+        "--redis-url",
+        redis_url,
+        "--served-model-name",
+        name,
+        "--prefix",
+        prefix,
+    ]
     if model:
         cmd += ["--model", model]
     for key, value in engine_args.items():
@@ -56,9 +67,15 @@ def serve_command(redis_url: str, name: str, model: str | None, engine_args: dic
 
 
 class Supervisor:
-    def __init__(self, redis_url: str, name: str = "default", prefix: str = P.DEFAULT_PREFIX,
-                 serve_extra: list[str] | None = None, heartbeat_interval: float = 1.0,
-                 default_engine_args: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        redis_url: str,
+        name: str = "default",
+        prefix: str = P.DEFAULT_PREFIX,
+        serve_extra: list[str] | None = None,
+        heartbeat_interval: float = 1.0,
+        default_engine_args: dict[str, Any] | None = None,
+    ) -> None:
         self.redis_url, self.name, self.prefix = redis_url, name, prefix
         self.default_engine_args = default_engine_args or {}
         self.serve_extra = serve_extra or []
@@ -105,8 +122,9 @@ class Supervisor:
         try:
             while not self._stopping.is_set():
                 try:
-                    reply = self.redis.xreadgroup(CONTROL_GROUP, f"{self.name}-{os.getpid()}", {stream: ">"},
-                                                  count=16, block=500)
+                    reply = self.redis.xreadgroup(
+                        CONTROL_GROUP, f"{self.name}-{os.getpid()}", {stream: ">"}, count=16, block=500
+                    )
                     for _, items in reply or ():
                         for entry_id, fields in items:
                             self._handle(P.decode(fields))
@@ -156,8 +174,9 @@ class Supervisor:
             child.process = subprocess.Popen(self._command(child.name, child.model, child.engine_args))
 
     def _beat(self) -> None:
-        children = {c.name: {"pid": c.process.pid, "model": c.model, "state": c.state,
-                             "restarts": len(c.restarts)} for c in self.children.values()}
+        children = {
+            c.name: {"pid": c.process.pid, "model": c.model, "state": c.state, "restarts": len(c.restarts)}
+            for c in self.children.values()
+        }
         payload = json.dumps({"pid": os.getpid(), "children": children})
-        self.redis.set(self.keys.supervisor(self.name), payload,
-                       px=int(self.heartbeat_interval * 5000))
+        self.redis.set(self.keys.supervisor(self.name), payload, px=int(self.heartbeat_interval * 5000))

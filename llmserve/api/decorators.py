@@ -26,8 +26,9 @@ log = logging.getLogger("llmserve.api")
 View = Callable[..., Awaitable[HttpResponse]]
 
 
-def api_view(methods: tuple[str, ...], *, json_body: bool = False, authenticated: bool = True
-             ) -> Callable[[View], View]:
+def api_view(
+    methods: tuple[str, ...], *, json_body: bool = False, authenticated: bool = True
+) -> Callable[[View], View]:
     """Wrap an async view as an API endpoint.
 
     With ``json_body`` the view is called as ``view(request, body, principal)`` with the parsed JSON object;
@@ -39,8 +40,9 @@ def api_view(methods: tuple[str, ...], *, json_body: bool = False, authenticated
         async def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
             try:
                 if request.method not in methods:
-                    raise errors.MethodNotAllowed(f"Method {request.method} is not allowed here; use "
-                                                  f"{' or '.join(methods)}.")
+                    raise errors.MethodNotAllowed(
+                        f"Method {request.method} is not allowed here; use {' or '.join(methods)}."
+                    )
                 principal = await _authorize(request) if authenticated else None
                 if json_body:
                     return await view(request, _json_object(request), principal, *args, **kwargs)
@@ -84,7 +86,8 @@ def _json_object(request: HttpRequest) -> dict[str, Any]:
     content_type = request.content_type or ""
     if content_type != "application/json":
         raise errors.UnsupportedMediaType(
-            f"Expected Content-Type: application/json, got {content_type or 'none'!r}.")
+            f"Expected Content-Type: application/json, got {content_type or 'none'!r}."
+        )
     try:
         raw = request.body
     except RequestDataTooBig:

@@ -23,8 +23,14 @@ class APIError(Exception):
     type = "invalid_request_error"
     code: str | None = None
 
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
-                 retry_after: float | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: float | None = None,
+    ) -> None:
         super().__init__(message)
         self.message, self.param = message, param
         if code is not None:
@@ -84,8 +90,11 @@ class InternalError(APIError):
 def model_not_served(model: str, configured: bool) -> APIError:
     """A model no live engine serves: 503 if the admin knows it (it is down), else 404 (a wrong name)."""
     if configured:
-        return ServiceUnavailable(f"The model `{model}` is configured but no engine is serving it right now.",
-                                  param="model", retry_after=conf.get("RETRY_AFTER"))
+        return ServiceUnavailable(
+            f"The model `{model}` is configured but no engine is serving it right now.",
+            param="model",
+            retry_after=conf.get("RETRY_AFTER"),
+        )
     return ModelNotFound(f"The model `{model}` does not exist.", param="model")
 
 
@@ -96,8 +105,9 @@ def from_engine_error(exc: EngineError) -> APIError:
     if isinstance(exc, ModelNotFoundError):
         return ModelNotFound(str(exc), param="model")
     if isinstance(exc, EngineOverloadedError):
-        return TooManyRequests(f"The engine is overloaded: {exc}", code="engine_overloaded",
-                               retry_after=conf.get("RETRY_AFTER"))
+        return TooManyRequests(
+            f"The engine is overloaded: {exc}", code="engine_overloaded", retry_after=conf.get("RETRY_AFTER")
+        )
     if isinstance(exc, EngineUnavailableError):
         return ServiceUnavailable(str(exc), retry_after=conf.get("RETRY_AFTER"))
     return InternalError(f"The engine failed: {exc}")

@@ -37,15 +37,19 @@ async def respond(request: GenerationRequest) -> HttpResponse:
     client = bus.async_client()
     timer = _Timer(request.model, received)
     try:
-        stream = await client.generate(request.model, request.prompt, request.params,
-                                       messages=request.messages)
+        stream = await client.generate(
+            request.model, request.prompt, request.params, messages=request.messages
+        )
     except ModelNotFoundError:
         raise errors.model_not_served(request.model, configured=config is not None) from None
     timer.accepted()
     prompt_text = ""
     if request.echo:
-        prompt_text = request.prompt if isinstance(request.prompt, str) else await client.detokenize(
-            request.model, request.prompt)
+        prompt_text = (
+            request.prompt
+            if isinstance(request.prompt, str)
+            else await client.detokenize(request.model, request.prompt)
+        )
     builder = ResponseBuilder(request, prompt_text)
     if request.stream:
         response = StreamingHttpResponse(_events(stream, builder, timer), content_type="text/event-stream")
@@ -64,8 +68,9 @@ def _sse(data: dict[str, Any] | str) -> bytes:
     return f"data: {payload}\n\n".encode()
 
 
-async def _events(stream: AsyncGenerationStream, builder: ResponseBuilder, timer: _Timer
-                  ) -> AsyncIterator[bytes]:
+async def _events(
+    stream: AsyncGenerationStream, builder: ResponseBuilder, timer: _Timer
+) -> AsyncIterator[bytes]:
     try:
         for chunk in builder.first_chunks():
             yield _sse(chunk)

@@ -16,14 +16,25 @@ from llmserve.models import ModelConfig
 
 def _model_object(info: ModelInfo) -> dict[str, Any]:
     started = min(r.data.get("started_at", 0) for r in info.replicas)
-    return {"id": info.name, "object": "model", "created": int(started), "owned_by": "llmserve",
-            "root": info.name, "parent": None, "max_model_len": info.max_model_len}
+    return {
+        "id": info.name,
+        "object": "model",
+        "created": int(started),
+        "owned_by": "llmserve",
+        "root": info.name,
+        "parent": None,
+        "max_model_len": info.max_model_len,
+    }
 
 
 async def _served() -> dict[str, ModelInfo]:
     live = {m.name: m for m in await bus.async_client().list_models()}
-    disabled = {name async for name in ModelConfig.objects.filter(
-        name__in=list(live), enabled=False).values_list("name", flat=True)}
+    disabled = {
+        name
+        async for name in ModelConfig.objects.filter(name__in=list(live), enabled=False).values_list(
+            "name", flat=True
+        )
+    }
     return {name: info for name, info in live.items() if name not in disabled}
 
 

@@ -28,8 +28,11 @@ def _finish_reason(reason: str | None) -> str | None:
 def _usage(usage: Usage | None) -> dict[str, int] | None:
     if usage is None:
         return None
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.total_tokens}
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+    }
 
 
 def _token_bytes(text: str) -> list[int]:
@@ -49,16 +52,27 @@ def chat_logprobs(logprobs: list[dict[int, Logprob]], token_ids: list[int], top:
         chosen = _chosen(position, token_ids[i] if i < len(token_ids) else None)
         token = chosen.decoded_token or ""
         ranked = sorted(position.items(), key=lambda kv: kv[1].rank if kv[1].rank is not None else 1 << 30)
-        content.append({
-            "token": token, "logprob": chosen.logprob, "bytes": _token_bytes(token),
-            "top_logprobs": [{"token": lp.decoded_token or "", "logprob": lp.logprob,
-                              "bytes": _token_bytes(lp.decoded_token or "")} for _, lp in ranked[:top]],
-        })
+        content.append(
+            {
+                "token": token,
+                "logprob": chosen.logprob,
+                "bytes": _token_bytes(token),
+                "top_logprobs": [
+                    {
+                        "token": lp.decoded_token or "",
+                        "logprob": lp.logprob,
+                        "bytes": _token_bytes(lp.decoded_token or ""),
+                    }
+                    for _, lp in ranked[:top]
+                ],
+            }
+        )
     return {"content": content}
 
 
-def completion_logprobs(logprobs: list[dict[int, Logprob]], token_ids: list[int], top: int,
-                        text_offset: int) -> dict[str, Any]:
+def completion_logprobs(
+    logprobs: list[dict[int, Logprob]], token_ids: list[int], top: int, text_offset: int
+) -> dict[str, Any]:
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
     for i, position in enumerate(logprobs):
         chosen = _chosen(position, token_ids[i] if i < len(token_ids) else None)
@@ -69,8 +83,12 @@ def completion_logprobs(logprobs: list[dict[int, Logprob]], token_ids: list[int]
         top_logprobs.append({lp.decoded_token or "": lp.logprob for lp in ranked[:top]} if top else None)
         offsets.append(text_offset)
         text_offset += len(token)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
-            "text_offset": offsets}
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top_logprobs,
+        "text_offset": offsets,
+    }
 
 
 class ResponseBuilder:
@@ -85,8 +103,12 @@ class ResponseBuilder:
 
     def _head(self, streaming: bool) -> dict[str, Any]:
         kind = self.request.kind
-        return {"id": self.id, "object": (_CHUNK_OBJECT if streaming else _OBJECT)[kind],
-                "created": self.created, "model": self.request.model}
+        return {
+            "id": self.id,
+            "object": (_CHUNK_OBJECT if streaming else _OBJECT)[kind],
+            "created": self.created,
+            "model": self.request.model,
+        }
 
     def _logprobs(self, logprobs: list | None, token_ids: list[int], index: int) -> dict[str, Any] | None:
         if not self.request.logprobs or logprobs is None:
@@ -104,23 +126,52 @@ class ResponseBuilder:
         for out in result.outputs:
             logprobs = self._logprobs(out.logprobs, out.token_ids, out.index)
             if self.request.kind == "chat":
-                choices.append({"index": out.index, "message": {"role": "assistant", "content": out.text},
-                                "logprobs": logprobs, "finish_reason": _finish_reason(out.finish_reason)})
+                choices.append(
+                    {
+                        "index": out.index,
+                        "message": {"role": "assistant", "content": out.text},
+                        "logprobs": logprobs,
+                        "finish_reason": _finish_reason(out.finish_reason),
+                    }
+                )
             else:
                 text = self.prompt_text + out.text if self.request.echo else out.text
-                choices.append({"index": out.index, "text": text, "logprobs": logprobs,
-                                "finish_reason": _finish_reason(out.finish_reason)})
+                choices.append(
+                    {
+                        "index": out.index,
+                        "text": text,
+                        "logprobs": logprobs,
+                        "finish_reason": _finish_reason(out.finish_reason),
+                    }
+                )
         return {**self._head(False), "choices": choices, "usage": _usage(result.usage)}
 
     def first_chunks(self) -> list[dict[str, Any]]:
         """What a stream starts with before any token: the assistant role (chat) or the echoed prompt."""
         n = self.request.params.n
         if self.request.kind == "chat":
-            return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                  "finish_reason": None} for i in range(n)])]
+            return [
+                self._chunk(
+                    [
+                        {
+                            "index": i,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                        for i in range(n)
+                    ]
+                )
+            ]
         if self.request.echo and self.prompt_text:
-            return [self._chunk([{"index": i, "text": self.prompt_text, "logprobs": None,
-                                  "finish_reason": None} for i in range(n)])]
+            return [
+                self._chunk(
+                    [
+                        {"index": i, "text": self.prompt_text, "logprobs": None, "finish_reason": None}
+                        for i in range(n)
+                    ]
+                )
+            ]
         return []
 
     def delta_chunk(self, outputs: list[CompletionDelta]) -> dict[str, Any] | None:
@@ -132,11 +183,13 @@ class ResponseBuilder:
             logprobs = self._logprobs(d.logprobs, d.token_ids, d.index) if d.token_ids else None
             if self.request.kind == "chat":
                 delta = {"content": d.text} if d.text or finish is None else {}
-                choices.append({"index": d.index, "delta": delta, "logprobs": logprobs,
-                                "finish_reason": finish})
+                choices.append(
+                    {"index": d.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+                )
             else:
-                choices.append({"index": d.index, "text": d.text, "logprobs": logprobs,
-                                "finish_reason": finish})
+                choices.append(
+                    {"index": d.index, "text": d.text, "logprobs": logprobs, "finish_reason": finish}
+                )
         return self._chunk(choices) if choices else None
 
     def usage_chunk(self, usage: Usage | None) -> dict[str, Any]:

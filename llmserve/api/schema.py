@@ -20,10 +20,21 @@ Kind = Literal["chat", "completion"]
 _NUMBER = (int, float)
 # Body field -> accepted JSON types; None is always accepted and means "default".
 _SAMPLING_FIELDS: dict[str, tuple[type, ...]] = {
-    "n": (int,), "temperature": _NUMBER, "top_p": _NUMBER, "top_k": (int,), "min_p": _NUMBER,
-    "presence_penalty": _NUMBER, "frequency_penalty": _NUMBER, "repetition_penalty": _NUMBER,
-    "seed": (int,), "max_tokens": (int,), "min_tokens": (int,), "ignore_eos": (bool,),
-    "stop_token_ids": (list,), "include_stop_str_in_output": (bool,), "skip_special_tokens": (bool,),
+    "n": (int,),
+    "temperature": _NUMBER,
+    "top_p": _NUMBER,
+    "top_k": (int,),
+    "min_p": _NUMBER,
+    "presence_penalty": _NUMBER,
+    "frequency_penalty": _NUMBER,
+    "repetition_penalty": _NUMBER,
+    "seed": (int,),
+    "max_tokens": (int,),
+    "min_tokens": (int,),
+    "ignore_eos": (bool,),
+    "stop_token_ids": (list,),
+    "include_stop_str_in_output": (bool,),
+    "skip_special_tokens": (bool,),
     "logit_bias": (dict,),
 }
 _COMMON_FIELDS = {"model", "stream", "stream_options", "user", "stop", *_SAMPLING_FIELDS}
@@ -51,8 +62,11 @@ def parse(kind: Kind, body: dict[str, Any]) -> GenerationRequest:
     """Validate an OpenAI /v1/completions or /v1/chat/completions body."""
     unknown = sorted(set(body) - _FIELDS[kind])
     if unknown:
-        raise BadRequest(f"Unrecognized request argument supplied: {unknown[0]}.", param=unknown[0],
-                         code="unknown_parameter")
+        raise BadRequest(
+            f"Unrecognized request argument supplied: {unknown[0]}.",
+            param=unknown[0],
+            code="unknown_parameter",
+        )
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("`model` is required and must be a non-empty string.", param="model")
@@ -61,11 +75,13 @@ def parse(kind: Kind, body: dict[str, Any]) -> GenerationRequest:
     options = body.get("stream_options")
     if options is not None:
         if not stream:
-            raise BadRequest("`stream_options` is only allowed when `stream` is true.",
-                             param="stream_options")
+            raise BadRequest(
+                "`stream_options` is only allowed when `stream` is true.", param="stream_options"
+            )
         if not isinstance(options, dict) or set(options) - {"include_usage"}:
-            raise BadRequest("`stream_options` must be an object like {\"include_usage\": true}.",
-                             param="stream_options")
+            raise BadRequest(
+                '`stream_options` must be an object like {"include_usage": true}.', param="stream_options"
+            )
         include_usage = _typed(options, "include_usage", (bool,), False, param="stream_options.include_usage")
     _typed(body, "user", (str,), None)
 
@@ -95,30 +111,44 @@ def parse(kind: Kind, body: dict[str, Any]) -> GenerationRequest:
             raise BadRequest("`echo` together with `logprobs` is not supported.", param="echo")
         size = len(prompt)
     if size > conf.get("MAX_PROMPT_CHARS"):
-        raise BadRequest(f"The prompt has {size} characters; the limit is {conf.get('MAX_PROMPT_CHARS')}.",
-                         param="messages" if kind == "chat" else "prompt", code="prompt_too_long")
+        raise BadRequest(
+            f"The prompt has {size} characters; the limit is {conf.get('MAX_PROMPT_CHARS')}.",
+            param="messages" if kind == "chat" else "prompt",
+            code="prompt_too_long",
+        )
     if values["max_tokens"] is None:
         values["max_tokens"] = conf.get("MAX_TOKENS_DEFAULT")
     params = _sampling_params(values, renamed={"logprobs": "top_logprobs"} if kind == "chat" else {})
-    return GenerationRequest(kind, model, params, prompt, messages, stream, include_usage, echo,
-                             wants_logprobs)
+    return GenerationRequest(
+        kind, model, params, prompt, messages, stream, include_usage, echo, wants_logprobs
+    )
 
 
-def _typed(body: dict[str, Any], name: str, types: tuple[type, ...], default: Any,
-           param: str | None = None) -> Any:
+def _typed(
+    body: dict[str, Any], name: str, types: tuple[type, ...], default: Any, param: str | None = None
+) -> Any:
     value = body.get(name)
     if value is None:
         return default
     # bool is an int subclass in Python but not a number in JSON.
     if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
         expected = " or ".join(_JSON_NAMES[t] for t in types)
-        raise BadRequest(f"`{param or name}` must be {expected}, got {type(value).__name__} {value!r:.40}.",
-                         param=param or name, code="invalid_type")
+        raise BadRequest(
+            f"`{param or name}` must be {expected}, got {type(value).__name__} {value!r:.40}.",
+            param=param or name,
+            code="invalid_type",
+        )
     return value
 
 
-_JSON_NAMES = {int: "an integer", float: "a number", bool: "a boolean", str: "a string", list: "an array",
-               dict: "an object"}
+_JSON_NAMES = {
+    int: "an integer",
+    float: "a number",
+    bool: "a boolean",
+    str: "a string",
+    list: "an array",
+    dict: "an object",
+}
 
 
 def _stop(value: Any) -> list[str] | None:
@@ -142,15 +172,19 @@ def _prompt(value: Any) -> str | list[int]:
     if is_token_ids(value):
         return value
     if isinstance(value, list) and len(value) > 1 and all(isinstance(p, str | list) for p in value):
-        raise BadRequest("Only one prompt per request is supported; send one request per prompt.",
-                         param="prompt")
+        raise BadRequest(
+            "Only one prompt per request is supported; send one request per prompt.", param="prompt"
+        )
     raise BadRequest("`prompt` must be a non-empty string or array of token ids.", param="prompt")
 
 
 def is_token_ids(value: Any, allow_empty: bool = False) -> bool:
     """A JSON array of integers (not booleans, which Python counts as ints)."""
-    return (isinstance(value, list) and (allow_empty or bool(value))
-            and all(isinstance(t, int) and not isinstance(t, bool) for t in value))
+    return (
+        isinstance(value, list)
+        and (allow_empty or bool(value))
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    )
 
 
 def _messages(value: Any) -> list[dict[str, str]]:
@@ -163,8 +197,9 @@ def _messages(value: Any) -> list[dict[str, str]]:
             raise BadRequest(f"`{param}` must be an object.", param=param)
         role = message.get("role")
         if role not in _ROLES:
-            raise BadRequest(f"`{param}.role` must be one of {', '.join(sorted(_ROLES))}.",
-                             param=param + ".role")
+            raise BadRequest(
+                f"`{param}.role` must be one of {', '.join(sorted(_ROLES))}.", param=param + ".role"
+            )
         messages.append({"role": role, "content": _content(message.get("content"), param + ".content")})
     return messages
 
@@ -180,12 +215,15 @@ def _content(value: Any, param: str) -> str:
         for part in value:
             text = part.get("text") if isinstance(part, dict) and part.get("type") == "text" else None
             if not isinstance(text, str):
-                raise BadRequest(f"`{param}` parts must be {{\"type\": \"text\", \"text\": ...}}; this "
-                                 "model reads text only.", param=param)
+                raise BadRequest(
+                    f'`{param}` parts must be {{"type": "text", "text": ...}}; this model reads text only.',
+                    param=param,
+                )
             texts.append(part["text"])
         return "".join(texts)
-    raise BadRequest(f"`{param}` must be a string or an array of text parts.", param=param,
-                     code="invalid_type")
+    raise BadRequest(
+        f"`{param}` must be a string or an array of text parts.", param=param, code="invalid_type"
+    )
 
 
 def _sampling_params(values: dict[str, Any], renamed: dict[str, str]) -> SamplingParams:

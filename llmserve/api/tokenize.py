@@ -44,8 +44,9 @@ async def tokenize(request: HttpRequest, body: dict[str, Any], principal: Princi
         result = await bus.async_client().tokenize(model, prompt, messages=messages)
     except ModelNotFoundError:
         raise await _not_served(model) from None
-    return JsonResponse({"tokens": result.token_ids, "count": len(result.token_ids),
-                         "max_model_len": result.max_model_len})
+    return JsonResponse(
+        {"tokens": result.token_ids, "count": len(result.token_ids), "max_model_len": result.max_model_len}
+    )
 
 
 @api_view(("POST",), json_body=True)
@@ -53,8 +54,9 @@ async def detokenize(request: HttpRequest, body: dict[str, Any], principal: Prin
     model = _model(body)
     tokens = body.get("tokens")
     if not schema.is_token_ids(tokens, allow_empty=True):
-        raise errors.BadRequest("`tokens` must be an array of token ids.", param="tokens",
-                                code="invalid_type")
+        raise errors.BadRequest(
+            "`tokens` must be an array of token ids.", param="tokens", code="invalid_type"
+        )
     try:
         text = await bus.async_client().detokenize(model, tokens)
     except ModelNotFoundError:

@@ -45,8 +45,12 @@ def read_items(upload: Any) -> list[dict[str, Any]]:
 
 
 class BulkJobForm(forms.ModelForm):
-    file = forms.FileField(label=_("items"), help_text=_("A .jsonl file (one object per line) or a .csv file "
-                                                         "with a header row; fields fill the template."))
+    file = forms.FileField(
+        label=_("items"),
+        help_text=_(
+            "A .jsonl file (one object per line) or a .csv file with a header row; fields fill the template."
+        ),
+    )
 
     class Meta:
         model = BulkJob
@@ -87,8 +91,9 @@ class BulkJobAdmin(admin.ModelAdmin):
     search_fields = ("name", "model")
     actions = ("cancel_jobs",)
 
-    def get_form(self, request: HttpRequest, obj: BulkJob | None = None, **kwargs: Any
-                 ) -> type[forms.ModelForm]:
+    def get_form(
+        self, request: HttpRequest, obj: BulkJob | None = None, **kwargs: Any
+    ) -> type[forms.ModelForm]:
         if obj is None:
             kwargs["form"] = BulkJobForm
         return super().get_form(request, obj, **kwargs)
@@ -96,17 +101,34 @@ class BulkJobAdmin(admin.ModelAdmin):
     def get_fields(self, request: HttpRequest, obj: BulkJob | None = None) -> list[str]:
         if obj is None:
             return ["name", "model", "kind", "template", "params", "priority", "file"]
-        return ["name", "model", "kind", "template", "params", "priority", "status", "progress",
-                "tokens_per_s", "eta", "items", "error", "created_at", "started_at", "cancelled_at",
-                "finished_at"]
+        return [
+            "name",
+            "model",
+            "kind",
+            "template",
+            "params",
+            "priority",
+            "status",
+            "progress",
+            "tokens_per_s",
+            "eta",
+            "items",
+            "error",
+            "created_at",
+            "started_at",
+            "cancelled_at",
+            "finished_at",
+        ]
 
     def get_readonly_fields(self, request: HttpRequest, obj: BulkJob | None = None) -> list[str]:
         return [] if obj is None else self.get_fields(request, obj)
 
     def get_changeform_initial_data(self, request: HttpRequest) -> dict[str, Any]:
-        return {"priority": conf.get("BULK_PRIORITY"),
-                "template": "Summarise the following document:\n\n{document}",
-                "params": {"temperature": 0, "max_tokens": 128}}
+        return {
+            "priority": conf.get("BULK_PRIORITY"),
+            "template": "Summarise the following document:\n\n{document}",
+            "params": {"temperature": 0, "max_tokens": 128},
+        }
 
     def save_model(self, request: HttpRequest, obj: BulkJob, form: Any, change: bool) -> None:
         if change:
@@ -114,14 +136,22 @@ class BulkJobAdmin(admin.ModelAdmin):
             return
         data = form.cleaned_data
         try:
-            created = services.create_job(data["model"], data["template"], data["items"], data["params"],
-                                          data["priority"], kind=data["kind"], name=data["name"])
+            created = services.create_job(
+                data["model"],
+                data["template"],
+                data["items"],
+                data["params"],
+                data["priority"],
+                kind=data["kind"],
+                name=data["name"],
+            )
         except APIError as exc:
             raise forms.ValidationError(exc.message) from None
         obj.pk, obj._state.adding = created.pk, False
 
-    def response_add(self, request: HttpRequest, obj: BulkJob, post_url_continue: str | None = None
-                     ) -> HttpResponseRedirect:
+    def response_add(
+        self, request: HttpRequest, obj: BulkJob, post_url_continue: str | None = None
+    ) -> HttpResponseRedirect:
         self.message_user(request, _("Job %(job)s queued.") % {"job": obj.pk})
         return HttpResponseRedirect(reverse("admin:llmserve_bulkjob_change", args=[obj.pk]))
 
@@ -135,8 +165,9 @@ class BulkJobAdmin(admin.ModelAdmin):
         self.__dict__["_progress_cache"] = {}
         return super().changelist_view(request, extra_context)
 
-    def change_view(self, request: HttpRequest, object_id: str, form_url: str = "",
-                    extra_context: dict | None = None) -> Any:
+    def change_view(
+        self, request: HttpRequest, object_id: str, form_url: str = "", extra_context: dict | None = None
+    ) -> Any:
         self.__dict__["_progress_cache"] = {}
         return super().change_view(request, object_id, form_url, extra_context)
 
@@ -169,8 +200,18 @@ class BulkJobAdmin(admin.ModelAdmin):
 @admin.register(Batch)
 class BatchAdmin(admin.ModelAdmin):
     list_display = ("id", "endpoint", "job", "owner", "created_at")
-    readonly_fields = ("id", "owner", "job", "endpoint", "input_file", "output_file", "error_file",
-                       "completion_window", "metadata", "created_at")
+    readonly_fields = (
+        "id",
+        "owner",
+        "job",
+        "endpoint",
+        "input_file",
+        "output_file",
+        "error_file",
+        "completion_window",
+        "metadata",
+        "created_at",
+    )
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False

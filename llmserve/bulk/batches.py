@@ -23,9 +23,14 @@ from llmserve.models import APIKey
 
 COMPLETION_WINDOWS = {"24h": timedelta(hours=24)}
 
-_STATUS = {BulkJob.Status.QUEUED: "validating", BulkJob.Status.RUNNING: "in_progress",
-           BulkJob.Status.CANCELLING: "cancelling", BulkJob.Status.CANCELLED: "cancelled",
-           BulkJob.Status.COMPLETED: "completed", BulkJob.Status.FAILED: "failed"}
+_STATUS = {
+    BulkJob.Status.QUEUED: "validating",
+    BulkJob.Status.RUNNING: "in_progress",
+    BulkJob.Status.CANCELLING: "cancelling",
+    BulkJob.Status.CANCELLED: "cancelled",
+    BulkJob.Status.COMPLETED: "completed",
+    BulkJob.Status.FAILED: "failed",
+}
 
 
 def parse_input(content: bytes, endpoint: str) -> tuple[str, list[str], list[dict[str, Any]]]:
@@ -47,11 +52,9 @@ def parse_input(content: bytes, endpoint: str) -> tuple[str, list[str], list[dic
             raise BadRequest(f"Line {number}: every request must be `POST {endpoint}`.", param=param)
         body = line.get("body")
         if not isinstance(body, dict) or not isinstance(body.get("model"), str):
-            raise BadRequest(f"Line {number}: `body` must be a request object with a `model`.",
-                             param=param)
+            raise BadRequest(f"Line {number}: `body` must be a request object with a `model`.", param=param)
         if model is not None and body["model"] != model:
-            raise BadRequest(f"Line {number}: all requests of a batch must use the same model.",
-                             param=param)
+            raise BadRequest(f"Line {number}: all requests of a batch must use the same model.", param=param)
         model = body["model"]
         seen.add(line["custom_id"])
         custom_ids.append(line["custom_id"])
@@ -61,20 +64,37 @@ def parse_input(content: bytes, endpoint: str) -> tuple[str, list[str], list[dic
     return model, custom_ids, bodies
 
 
-def create_batch(input_file: BatchFile, endpoint: str, completion_window: str = "24h",
-                 metadata: dict[str, str] | None = None, owner: APIKey | None = None) -> Batch:
+def create_batch(
+    input_file: BatchFile,
+    endpoint: str,
+    completion_window: str = "24h",
+    metadata: dict[str, str] | None = None,
+    owner: APIKey | None = None,
+) -> Batch:
     if endpoint not in ENDPOINT_KINDS:
         raise BadRequest(f"`endpoint` must be one of {', '.join(ENDPOINT_KINDS)}.", param="endpoint")
     if completion_window not in COMPLETION_WINDOWS:
-        raise BadRequest("`completion_window` must be \"24h\".", param="completion_window")
+        raise BadRequest('`completion_window` must be "24h".', param="completion_window")
     if input_file.purpose != BatchFile.Purpose.BATCH:
-        raise BadRequest("The input file's purpose must be \"batch\".", param="input_file_id")
+        raise BadRequest('The input file\'s purpose must be "batch".', param="input_file_id")
     model, custom_ids, bodies = parse_input(bytes(input_file.content), endpoint)
     with transaction.atomic():
-        job = services.create_job(model, "", bodies, kind=ENDPOINT_KINDS[endpoint], custom_ids=custom_ids,
-                                  name=f"batch {input_file.filename}")
-        return Batch.objects.create(job=job, endpoint=endpoint, input_file=input_file, owner=owner,
-                                    completion_window=completion_window, metadata=metadata)
+        job = services.create_job(
+            model,
+            "",
+            bodies,
+            kind=ENDPOINT_KINDS[endpoint],
+            custom_ids=custom_ids,
+            name=f"batch {input_file.filename}",
+        )
+        return Batch.objects.create(
+            job=job,
+            endpoint=endpoint,
+            input_file=input_file,
+            owner=owner,
+            completion_window=completion_window,
+            metadata=metadata,
+        )
 
 
 def write_result_files(batch: Batch) -> None:
@@ -83,22 +103,46 @@ def write_result_files(batch: Batch) -> None:
     lines: dict[str, list[str]] = {BulkItem.Status.DONE: [], BulkItem.Status.FAILED: []}
     for item in job.items.exclude(status=BulkItem.Status.PENDING).order_by("index").iterator():
         if item.status == BulkItem.Status.DONE:
-            response = {"status_code": 200, "request_id": job.request_id(item.index, item.attempts),
-                        "body": item.response}
+            response = {
+                "status_code": 200,
+                "request_id": job.request_id(item.index, item.attempts),
+                "body": item.response,
+            }
         else:
             error = dict(item.error or {})
             status = error.pop("status_code", 500)
-            response = {"status_code": status, "request_id": job.request_id(item.index, item.attempts),
-                        "body": {"error": error}}
-        lines[item.status].append(json.dumps({"id": f"batch_req_{item.pk}", "custom_id": item.custom_id,
-                                              "response": response, "error": None}, ensure_ascii=False))
-    for status, field, suffix in ((BulkItem.Status.DONE, "output_file", "output"),
-                                  (BulkItem.Status.FAILED, "error_file", "errors")):
+            response = {
+                "status_code": status,
+                "request_id": job.request_id(item.index, item.attempts),
+                "body": {"error": error},
+            }
+        lines[item.status].append(
+            json.dumps(
+                {
+                    "id": f"batch_req_{item.pk}",
+                    "custom_id": item.custom_id,
+                    "response": response,
+                    "error": None,
+                },
+                ensure_ascii=False,
+            )
+        )
+    for status, field, suffix in (
+        (BulkItem.Status.DONE, "output_file", "output"),
+        (BulkItem.Status.FAILED, "error_file", "errors"),
+    ):
         if lines[status]:
             content = ("\n".join(lines[status]) + "\n").encode()
-            setattr(batch, field, BatchFile.objects.create(
-                owner=batch.owner, purpose=BatchFile.Purpose.BATCH_OUTPUT,
-                filename=f"{batch.id}_{suffix}.jsonl", content=content))
+            setattr(
+                batch,
+                field,
+                BatchFile.objects.create(
+                    owner=batch.owner,
+                    purpose=BatchFile.Purpose.BATCH_OUTPUT,
+                    filename=f"{batch.id}_{suffix}.jsonl",
+                    content=content,
+                ),
+            )
     batch.save(update_fields=["output_file", "error_file"])
 
 
@@ -111,16 +155,23 @@ def as_openai(batch: Batch) -> dict[str, Any]:
 
     ended = job.finished_at
     return {
-        "id": batch.id, "object": "batch", "endpoint": batch.endpoint, "errors": None,
-        "input_file_id": batch.input_file_id, "completion_window": batch.completion_window,
-        "status": _STATUS[job.status], "output_file_id": batch.output_file_id,
-        "error_file_id": batch.error_file_id, "created_at": ts(batch.created_at),
+        "id": batch.id,
+        "object": "batch",
+        "endpoint": batch.endpoint,
+        "errors": None,
+        "input_file_id": batch.input_file_id,
+        "completion_window": batch.completion_window,
+        "status": _STATUS[job.status],
+        "output_file_id": batch.output_file_id,
+        "error_file_id": batch.error_file_id,
+        "created_at": ts(batch.created_at),
         "in_progress_at": ts(job.started_at),
         "expires_at": ts(batch.created_at + COMPLETION_WINDOWS.get(batch.completion_window, timedelta(0))),
         "finalizing_at": ts(ended) if job.status == BulkJob.Status.COMPLETED else None,
         "completed_at": ts(ended) if job.status == BulkJob.Status.COMPLETED else None,
         "failed_at": ts(ended) if job.status == BulkJob.Status.FAILED else None,
-        "expired_at": None, "cancelling_at": ts(job.cancelled_at),
+        "expired_at": None,
+        "cancelling_at": ts(job.cancelled_at),
         "cancelled_at": ts(ended) if job.status == BulkJob.Status.CANCELLED else None,
         "request_counts": {"total": counts.total, "completed": counts.done, "failed": counts.failed},
         "metadata": batch.metadata,

@@ -38,20 +38,27 @@ class BulkJob(models.Model):
 
     ACTIVE = (Status.QUEUED, Status.RUNNING, Status.CANCELLING)
 
-    uid = models.UUIDField(default=uuid.uuid4, unique=True, editable=False,
-                           help_text=_("Namespaces the job's bus request ids."))
+    uid = models.UUIDField(
+        default=uuid.uuid4, unique=True, editable=False, help_text=_("Namespaces the job's bus request ids.")
+    )
     name = models.CharField(_("name"), max_length=200, blank=True)
     model = models.CharField(_("model"), max_length=100)
     kind = models.CharField(_("kind"), max_length=10, choices=Kind.choices, default=Kind.CHAT)
     template = models.TextField(
-        _("prompt template"), blank=True,
-        help_text=_("Python format string over each item's fields, e.g. \"Summarise the following "
-                    "document:\\n\\n{document}\". Empty: items are request bodies."))
+        _("prompt template"),
+        blank=True,
+        help_text=_(
+            "Python format string over each item's fields, e.g. \"Summarise the following "
+            'document:\\n\\n{document}". Empty: items are request bodies.'
+        ),
+    )
     params = models.JSONField(_("sampling parameters"), default=dict, blank=True)
-    priority = models.SmallIntegerField(_("priority"), default=10,
-                                        help_text=_("Bus priority; lower runs first (interactive = 0)."))
-    status = models.CharField(_("status"), max_length=10, choices=Status.choices, default=Status.QUEUED,
-                              db_index=True)
+    priority = models.SmallIntegerField(
+        _("priority"), default=10, help_text=_("Bus priority; lower runs first (interactive = 0).")
+    )
+    status = models.CharField(
+        _("status"), max_length=10, choices=Status.choices, default=Status.QUEUED, db_index=True
+    )
     error = models.TextField(_("error"), blank=True)
     created_at = models.DateTimeField(_("created"), auto_now_add=True)
     started_at = models.DateTimeField(_("started"), null=True, blank=True)
@@ -91,8 +98,9 @@ class BulkItem(models.Model):
     attempts = models.PositiveIntegerField(_("attempts"), default=0)
     lease_until = models.DateTimeField(null=True, blank=True)
     output = models.TextField(_("output"), blank=True)
-    response = models.JSONField(_("response"), null=True, blank=True,
-                                help_text=_("The OpenAI response body, for Batch API items."))
+    response = models.JSONField(
+        _("response"), null=True, blank=True, help_text=_("The OpenAI response body, for Batch API items.")
+    )
     error = models.JSONField(_("error"), null=True, blank=True)
     prompt_tokens = models.PositiveIntegerField(default=0)
     completion_tokens = models.PositiveIntegerField(default=0)
@@ -125,8 +133,9 @@ class BatchFile(models.Model):
         BATCH_OUTPUT = "batch_output", "batch_output"
 
     id = models.CharField(primary_key=True, max_length=40, default=_file_id, editable=False)
-    owner = models.ForeignKey("llmserve.APIKey", null=True, blank=True, on_delete=models.CASCADE,
-                              related_name="+")
+    owner = models.ForeignKey(
+        "llmserve.APIKey", null=True, blank=True, on_delete=models.CASCADE, related_name="+"
+    )
     purpose = models.CharField(max_length=20, choices=Purpose.choices)
     filename = models.CharField(max_length=255)
     content = models.BinaryField()
@@ -141,24 +150,35 @@ class BatchFile(models.Model):
         return f"{self.id} ({self.filename})"
 
     def as_openai(self) -> dict[str, Any]:
-        return {"id": self.id, "object": "file", "bytes": len(self.content), "created_at":
-                int(self.created_at.timestamp()), "filename": self.filename, "purpose": self.purpose,
-                "status": "processed", "status_details": None, "expires_at": None}
+        return {
+            "id": self.id,
+            "object": "file",
+            "bytes": len(self.content),
+            "created_at": int(self.created_at.timestamp()),
+            "filename": self.filename,
+            "purpose": self.purpose,
+            "status": "processed",
+            "status_details": None,
+            "expires_at": None,
+        }
 
 
 class Batch(models.Model):
     """An OpenAI batch: a bulk job over the requests of an input file, plus its output and error files."""
 
     id = models.CharField(primary_key=True, max_length=40, default=_batch_id, editable=False)
-    owner = models.ForeignKey("llmserve.APIKey", null=True, blank=True, on_delete=models.CASCADE,
-                              related_name="+")
+    owner = models.ForeignKey(
+        "llmserve.APIKey", null=True, blank=True, on_delete=models.CASCADE, related_name="+"
+    )
     job = models.OneToOneField(BulkJob, on_delete=models.CASCADE, related_name="batch")
     endpoint = models.CharField(max_length=40)
     input_file = models.ForeignKey(BatchFile, on_delete=models.PROTECT, related_name="+")
-    output_file = models.ForeignKey(BatchFile, null=True, blank=True, on_delete=models.SET_NULL,
-                                    related_name="+")
-    error_file = models.ForeignKey(BatchFile, null=True, blank=True, on_delete=models.SET_NULL,
-                                   related_name="+")
+    output_file = models.ForeignKey(
+        BatchFile, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    error_file = models.ForeignKey(
+        BatchFile, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
     completion_window = models.CharField(max_length=10, default="24h")
     metadata = models.JSONField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)

@@ -46,9 +46,11 @@ class ItemRequest:
     def stored(self, result: GenerationResult) -> dict[str, Any]:
         """The item fields to store for a finished generation."""
         usage = result.usage
-        fields: dict[str, Any] = {"output": result.outputs[0].text if result.outputs else "",
-                                  "prompt_tokens": usage.prompt_tokens if usage else result.prompt_tokens,
-                                  "completion_tokens": usage.completion_tokens if usage else 0}
+        fields: dict[str, Any] = {
+            "output": result.outputs[0].text if result.outputs else "",
+            "prompt_tokens": usage.prompt_tokens if usage else result.prompt_tokens,
+            "completion_tokens": usage.completion_tokens if usage else 0,
+        }
         if self.api is not None:
             prompt_text = self.api.prompt if self.api.echo and isinstance(self.api.prompt, str) else ""
             fields["response"] = ResponseBuilder(self.api, prompt_text).full(result)
@@ -72,8 +74,9 @@ def build(job: BulkJob, params: SamplingParams | None, item_input: Any) -> ItemR
     try:
         text = job.template.format_map(item_input)
     except (KeyError, IndexError, ValueError, AttributeError) as exc:
-        raise ItemError(errors.BadRequest(f"The template cannot be filled from this item: {exc!r}.")
-                        ) from None
+        raise ItemError(
+            errors.BadRequest(f"The template cannot be filled from this item: {exc!r}.")
+        ) from None
     params = params or job_params(job.params)
     if job.kind == BulkJob.Kind.CHAT:
         return ItemRequest(None, [{"role": "user", "content": text}], params)
@@ -90,6 +93,7 @@ def _from_body(job: BulkJob, body: Any) -> ItemRequest:
     if request.stream:
         raise ItemError(errors.BadRequest("Streaming is not available in a batch.", param="stream"))
     if request.model != job.model:
-        raise ItemError(errors.BadRequest(f"Every request of a batch must use model `{job.model}`.",
-                                          param="model"))
+        raise ItemError(
+            errors.BadRequest(f"Every request of a batch must use model `{job.model}`.", param="model")
+        )
     return ItemRequest(request.prompt, request.messages, request.params, request)

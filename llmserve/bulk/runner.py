@@ -69,7 +69,8 @@ class JobRunner:
     def run(self) -> bool:
         now = timezone.now()
         BulkJob.objects.filter(pk=self.job_id, status=BulkJob.Status.QUEUED).update(
-            status=BulkJob.Status.RUNNING, started_at=now)
+            status=BulkJob.Status.RUNNING, started_at=now
+        )
         self.job = BulkJob.objects.get(pk=self.job_id)
         if not self.job.is_active:
             return False
@@ -107,9 +108,9 @@ class JobRunner:
             for future in done:
                 self._settle(self.flights.pop(future), future)
             if time.monotonic() >= next_renewal and self.flights:
-                BulkItem.objects.filter(pk__in=[f.item_id for f in self.flights.values()],
-                                        status=BulkItem.Status.PENDING).update(
-                    lease_until=timezone.now() + self.lease)
+                BulkItem.objects.filter(
+                    pk__in=[f.item_id for f in self.flights.values()], status=BulkItem.Status.PENDING
+                ).update(lease_until=timezone.now() + self.lease)
                 next_renewal = time.monotonic() + self.lease.total_seconds() / 3
 
     # -------------------------------------------------------------------------------------------- claiming
@@ -121,19 +122,22 @@ class JobRunner:
         # BULK_CONCURRENCY bounds the whole job, not this task: while a previous slice drains, or a
         # redelivered task runs beside a live one, their leased items count too, so interactive traffic
         # keeps its slots.
-        leased = self.job.items.filter(status=BulkItem.Status.PENDING,
-                                       lease_until__gte=timezone.now()).count()
+        leased = self.job.items.filter(
+            status=BulkItem.Status.PENDING, lease_until__gte=timezone.now()
+        ).count()
         free = self.concurrency - max(leased, len(self.flights))
         if free <= 0:
             return
-        pending = BulkItem.objects.filter(self._claimable(), job_id=self.job_id,
-                                          status=BulkItem.Status.PENDING)
+        pending = BulkItem.objects.filter(
+            self._claimable(), job_id=self.job_id, status=BulkItem.Status.PENDING
+        )
         candidates = pending.order_by("index").values_list("pk", "index", "attempts", "input")[: free * 2]
         for pk, index, attempts, item_input in candidates:
             if free == 0:
                 break
             won = BulkItem.objects.filter(pk=pk, status=BulkItem.Status.PENDING, attempts=attempts).update(
-                attempts=attempts + 1, lease_until=timezone.now() + self.lease)
+                attempts=attempts + 1, lease_until=timezone.now() + self.lease
+            )
             if not won:
                 continue  # another runner took it
             try:
@@ -150,9 +154,14 @@ class JobRunner:
         if flight.attempt > 1:  # a dead runner's request may still hold a batch slot
             self.client.abort(model, self.job.request_id(flight.index, flight.attempt - 1))
         request = flight.request
-        with self.client.generate(model, request.prompt, request.params, messages=request.messages,
-                                  request_id=self.job.request_id(flight.index, flight.attempt),
-                                  priority=self.job.priority) as stream:
+        with self.client.generate(
+            model,
+            request.prompt,
+            request.params,
+            messages=request.messages,
+            request_id=self.job.request_id(flight.index, flight.attempt),
+            priority=self.job.priority,
+        ) as stream:
             return stream.result()
 
     def _others_pending(self) -> bool:
@@ -176,8 +185,9 @@ class JobRunner:
         try:
             result = future.result()
         except TRANSIENT as exc:
-            log.warning("job %s item %s attempt %s: %s; retrying", self.job_id, flight.index, flight.attempt,
-                        exc)
+            log.warning(
+                "job %s item %s attempt %s: %s; retrying", self.job_id, flight.index, flight.attempt, exc
+            )
             self._release(flight.item_id, BACKOFF)
             self.paused_until = time.monotonic() + BACKOFF
             return
@@ -188,8 +198,11 @@ class JobRunner:
             self._release(flight.item_id, 0)  # cancelled, or superseded by a newer attempt
             return
         self._storable(flight.item_id).update(
-            status=BulkItem.Status.DONE, lease_until=None, finished_at=timezone.now(),
-            **flight.request.stored(result))
+            status=BulkItem.Status.DONE,
+            lease_until=None,
+            finished_at=timezone.now(),
+            **flight.request.stored(result),
+        )
 
     def _release(self, item_id: int, backoff: float) -> None:
         until = timezone.now() + timedelta(seconds=backoff) if backoff else None
@@ -197,7 +210,8 @@ class JobRunner:
 
     def _store_failure(self, item_id: int, exc: requests.ItemError) -> None:
         self._storable(item_id).update(
-            status=BulkItem.Status.FAILED, lease_until=None, finished_at=timezone.now(), error=exc.as_json())
+            status=BulkItem.Status.FAILED, lease_until=None, finished_at=timezone.now(), error=exc.as_json()
+        )
 
     @staticmethod
     def _storable(item_id: int):

@@ -1,11 +1,11 @@
 """The Python API of bulk jobs, for host projects, the admin and the Batch API.
 
-    from llmserve.bulk import services
-    job = services.create_job("smol", "Summarise the following document:\\n\\n{document}",
-                              [{"document": text} for text in documents],
-                              {"temperature": 0, "max_tokens": 64})
-    services.progress(job)   # done / failed / total, tokens/s, ETA
-    services.cancel_job(job)
+from llmserve.bulk import services
+job = services.create_job("smol", "Summarise the following document:\\n\\n{document}",
+                          [{"document": text} for text in documents],
+                          {"temperature": 0, "max_tokens": 64})
+services.progress(job)   # done / failed / total, tokens/s, ETA
+services.cancel_job(job)
 """
 
 from __future__ import annotations
@@ -24,10 +24,18 @@ from llmserve.bulk import requests
 from llmserve.bulk.models import BulkItem, BulkJob
 
 
-def create_job(model: str, template: str, items: Iterable[dict[str, Any]],
-               params: dict[str, Any] | None = None, priority: int | None = None, *,
-               kind: str = BulkJob.Kind.CHAT, name: str = "", custom_ids: Iterable[str] | None = None,
-               start: bool = True) -> BulkJob:
+def create_job(
+    model: str,
+    template: str,
+    items: Iterable[dict[str, Any]],
+    params: dict[str, Any] | None = None,
+    priority: int | None = None,
+    *,
+    kind: str = BulkJob.Kind.CHAT,
+    name: str = "",
+    custom_ids: Iterable[str] | None = None,
+    start: bool = True,
+) -> BulkJob:
     """Create a job over ``items`` and (once the transaction commits) queue it on Celery.
 
     ``template`` is a format string over each item's fields; an empty one makes each item a whole OpenAI
@@ -40,11 +48,20 @@ def create_job(model: str, template: str, items: Iterable[dict[str, Any]],
     ids = list(custom_ids) if custom_ids is not None else None
     with transaction.atomic():
         job = BulkJob.objects.create(
-            model=model, template=template, params=params, kind=kind, name=name,
-            priority=conf.get("BULK_PRIORITY") if priority is None else priority)
+            model=model,
+            template=template,
+            params=params,
+            kind=kind,
+            name=name,
+            priority=conf.get("BULK_PRIORITY") if priority is None else priority,
+        )
         BulkItem.objects.bulk_create(
-            (BulkItem(job=job, index=i, input=item, custom_id=ids[i] if ids else "")
-             for i, item in enumerate(items)), batch_size=500)
+            (
+                BulkItem(job=job, index=i, input=item, custom_id=ids[i] if ids else "")
+                for i, item in enumerate(items)
+            ),
+            batch_size=500,
+        )
         if start:
             transaction.on_commit(lambda: start_job(job))
     return job
@@ -64,8 +81,9 @@ def cancel_job(job: BulkJob, client: EngineClient | None = None) -> bool:
     that runs them. Returns False when the job had already finished.
     """
     now = timezone.now()
-    cancellable = BulkJob.objects.filter(pk=job.pk,
-                                         status__in=(BulkJob.Status.QUEUED, BulkJob.Status.RUNNING))
+    cancellable = BulkJob.objects.filter(
+        pk=job.pk, status__in=(BulkJob.Status.QUEUED, BulkJob.Status.RUNNING)
+    )
     if not cancellable.update(status=BulkJob.Status.CANCELLING, cancelled_at=now):
         return False
     client = client or bus.client()
@@ -86,7 +104,8 @@ def finalize(job: BulkJob, status: str) -> bool:
 
     with transaction.atomic():
         if not BulkJob.objects.filter(pk=job.pk, status__in=BulkJob.ACTIVE).update(
-                status=status, finished_at=timezone.now()):
+            status=status, finished_at=timezone.now()
+        ):
             return False
         batch = batches.Batch.objects.filter(job_id=job.pk).first()
         if batch is not None:
@@ -113,15 +132,26 @@ class Progress:
 
 def progress(job: BulkJob) -> Progress:
     counts = job.items.aggregate(
-        total=Count("pk"), done=Count("pk", filter=Q(status=BulkItem.Status.DONE)),
+        total=Count("pk"),
+        done=Count("pk", filter=Q(status=BulkItem.Status.DONE)),
         failed=Count("pk", filter=Q(status=BulkItem.Status.FAILED)),
-        prompt_tokens=Sum("prompt_tokens", default=0), completion_tokens=Sum("completion_tokens", default=0))
+        prompt_tokens=Sum("prompt_tokens", default=0),
+        completion_tokens=Sum("completion_tokens", default=0),
+    )
     end = job.finished_at or timezone.now()
     elapsed = (end - job.started_at).total_seconds() if job.started_at else 0.0
     finished = counts["done"] + counts["failed"]
     items_per_s = finished / elapsed if elapsed > 0 else 0.0
     pending = counts["total"] - finished
     eta = pending / items_per_s if items_per_s > 0 and job.is_active else None
-    return Progress(counts["total"], counts["done"], counts["failed"], counts["prompt_tokens"],
-                    counts["completion_tokens"], elapsed,
-                    counts["completion_tokens"] / elapsed if elapsed > 0 else 0.0, items_per_s, eta)
+    return Progress(
+        counts["total"],
+        counts["done"],
+        counts["failed"],
+        counts["prompt_tokens"],
+        counts["completion_tokens"],
+        elapsed,
+        counts["completion_tokens"] / elapsed if elapsed > 0 else 0.0,
+        items_per_s,
+        eta,
+    )

@@ -16,8 +16,14 @@ from llmserve import bus
 from llmserve.bulk.runner import JobRunner
 
 
-@shared_task(acks_late=True, reject_on_worker_lost=True, ignore_result=True,
-             autoretry_for=(OperationalError, InterfaceError), retry_backoff=True, max_retries=20)
+@shared_task(
+    acks_late=True,
+    reject_on_worker_lost=True,
+    ignore_result=True,
+    autoretry_for=(OperationalError, InterfaceError),
+    retry_backoff=True,
+    max_retries=20,
+)
 def run_bulk_job(job_id: int) -> None:
     """Run one slice of a job; queue the next slice while work remains."""
     if JobRunner(job_id, bus.client(), on_handover=lambda: run_bulk_job.delay(job_id)).run():

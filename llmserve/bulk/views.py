@@ -26,14 +26,15 @@ async def file_create(request: HttpRequest, principal: Principal) -> HttpRespons
     purpose = request.POST.get("purpose")
     upload = request.FILES.get("file")
     if purpose != BatchFile.Purpose.BATCH:
-        raise errors.BadRequest("Only `purpose` \"batch\" is supported.", param="purpose")
+        raise errors.BadRequest('Only `purpose` "batch" is supported.', param="purpose")
     if upload is None:
         raise errors.BadRequest("Send the file as the multipart field `file`.", param="file")
     limit = conf.get("BULK_MAX_FILE_BYTES")
     if upload.size > limit:
         raise errors.PayloadTooLarge(f"The file exceeds {limit} bytes.")
-    created = await BatchFile.objects.acreate(owner=principal.key, purpose=purpose,
-                                              filename=upload.name or "upload.jsonl", content=upload.read())
+    created = await BatchFile.objects.acreate(
+        owner=principal.key, purpose=purpose, filename=upload.name or "upload.jsonl", content=upload.read()
+    )
     return JsonResponse(created.as_openai())
 
 
@@ -59,12 +60,17 @@ async def file_content(request: HttpRequest, principal: Principal, file_id: str)
 async def batch_create(request: HttpRequest, body: dict[str, Any], principal: Principal) -> HttpResponse:
     input_file = await _file(principal, str(body.get("input_file_id")))
     metadata = body.get("metadata")
-    if metadata is not None and not (isinstance(metadata, dict)
-                                     and all(isinstance(v, str) for v in metadata.values())):
+    if metadata is not None and not (
+        isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
+    ):
         raise errors.BadRequest("`metadata` must map strings to strings.", param="metadata")
     batch = await sync_to_async(batches.create_batch)(
-        input_file, str(body.get("endpoint")), str(body.get("completion_window", "24h")), metadata,
-        principal.key)
+        input_file,
+        str(body.get("endpoint")),
+        str(body.get("completion_window", "24h")),
+        metadata,
+        principal.key,
+    )
     return JsonResponse(await sync_to_async(batches.as_openai)(batch))
 
 
@@ -98,12 +104,22 @@ async def batch_list(request: HttpRequest, principal: Principal) -> HttpResponse
     after = request.GET.get("after")
     if after:
         anchor = await _batch(principal, after)
-        found = found.filter(created_at__lte=anchor.created_at).exclude(pk=anchor.pk).exclude(
-            created_at=anchor.created_at, pk__gt=anchor.pk)
+        found = (
+            found.filter(created_at__lte=anchor.created_at)
+            .exclude(pk=anchor.pk)
+            .exclude(created_at=anchor.created_at, pk__gt=anchor.pk)
+        )
     page = [b async for b in found[: limit + 1]]
     data = [await sync_to_async(batches.as_openai)(b) for b in page[:limit]]
-    return JsonResponse({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-                         "last_id": data[-1]["id"] if data else None, "has_more": len(page) > limit})
+    return JsonResponse(
+        {
+            "object": "list",
+            "data": data,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+            "has_more": len(page) > limit,
+        }
+    )
 
 
 @csrf_exempt

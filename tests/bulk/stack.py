@@ -34,9 +34,24 @@ class BulkStack(Stack):
 
     def start_worker(self) -> None:
         self.worker_count += 1
-        self.worker = self._spawn(f"worker{self.worker_count}", "-m", "celery", "-A", "hostproject", "worker",
-                                  "--pool", "threads", "--concurrency", "2", "--loglevel", "INFO",
-                                  "-n", f"bulk{self.worker_count}@%h", "--without-gossip", "--without-mingle")
+        self.worker = self._spawn(
+            f"worker{self.worker_count}",
+            "-m",
+            "celery",
+            "-A",
+            "hostproject",
+            "worker",
+            "--pool",
+            "threads",
+            "--concurrency",
+            "2",
+            "--loglevel",
+            "INFO",
+            "-n",
+            f"bulk{self.worker_count}@%h",
+            "--without-gossip",
+            "--without-mingle",
+        )
 
     def kill_worker(self) -> None:
         assert self.worker is not None and self.worker.poll() is None, self.log(f"worker{self.worker_count}")
@@ -50,8 +65,17 @@ class BulkStack(Stack):
 
     def start_engine(self) -> None:
         assert self.redis is not None
-        self.engine = self._spawn("engine2", "-m", "inference_engine", "serve", "--served-model-name",
-                                  self.model, "--redis-url", self.redis.url, *self.engine_flags)
+        self.engine = self._spawn(
+            "engine2",
+            "-m",
+            "inference_engine",
+            "serve",
+            "--served-model-name",
+            self.model,
+            "--redis-url",
+            self.redis.url,
+            *self.engine_flags,
+        )
 
     def stop(self) -> None:
         if self.worker is not None and self.worker.poll() is None:

@@ -20,13 +20,28 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def batch_file(model: str, count: int, max_tokens: int = 8) -> bytes:
-    lines = [{"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
-              "body": {"model": model, "temperature": 0, "max_tokens": max_tokens,
-                       "messages": [{"role": "user", "content": f"Name a colour, number {i}."}]}}
-             for i in range(count)]
-    lines.append({"custom_id": "too-long", "method": "POST", "url": "/v1/chat/completions",
-                  "body": {"model": model, "max_tokens": 4,
-                           "messages": [{"role": "user", "content": "x " * 3000}]}})
+    lines = [
+        {
+            "custom_id": f"req-{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": model,
+                "temperature": 0,
+                "max_tokens": max_tokens,
+                "messages": [{"role": "user", "content": f"Name a colour, number {i}."}],
+            },
+        }
+        for i in range(count)
+    ]
+    lines.append(
+        {
+            "custom_id": "too-long",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "x " * 3000}]},
+        }
+    )
     return "\n".join(json.dumps(line) for line in lines).encode()
 
 
@@ -36,15 +51,23 @@ def client(bulk_stack: BulkStack) -> openai.OpenAI:
 
 
 def test_openai_batch_end_to_end(bulk_stack: BulkStack, client: openai.OpenAI) -> None:
-    uploaded = client.files.create(file=("requests.jsonl", io.BytesIO(batch_file(bulk_stack.model, 6))),
-                                   purpose="batch")
+    uploaded = client.files.create(
+        file=("requests.jsonl", io.BytesIO(batch_file(bulk_stack.model, 6))), purpose="batch"
+    )
     assert uploaded.purpose == "batch" and uploaded.filename == "requests.jsonl"
     assert client.files.retrieve(uploaded.id).bytes == uploaded.bytes
-    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
-                                  completion_window="24h", metadata={"purpose": "test"})
+    batch = client.batches.create(
+        input_file_id=uploaded.id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+        metadata={"purpose": "test"},
+    )
     assert batch.request_counts.total == 7 and batch.metadata == {"purpose": "test"}
-    batch = wait_until(lambda: (b := client.batches.retrieve(batch.id)).status == "completed" and b, 180,
-                       "the batch to complete")
+    batch = wait_until(
+        lambda: (b := client.batches.retrieve(batch.id)).status == "completed" and b,
+        180,
+        "the batch to complete",
+    )
     assert (batch.request_counts.completed, batch.request_counts.failed) == (6, 1)
     assert batch.completed_at and batch.in_progress_at
     assert batch.id in [b.id for b in client.batches.list(limit=10).data]
@@ -57,8 +80,11 @@ def test_openai_batch_end_to_end(bulk_stack: BulkStack, client: openai.OpenAI) -
         body = line["response"]["body"]
         assert body["object"] == "chat.completion"
         direct = client.chat.completions.create(
-            model=bulk_stack.model, temperature=0, max_tokens=8,
-            messages=[{"role": "user", "content": f"Name a colour, number {i}."}])
+            model=bulk_stack.model,
+            temperature=0,
+            max_tokens=8,
+            messages=[{"role": "user", "content": f"Name a colour, number {i}."}],
+        )
         assert body["choices"][0]["message"]["content"] == direct.choices[0].message.content
         assert body["usage"]["completion_tokens"] == direct.usage.completion_tokens
     (error,) = [json.loads(line) for line in client.files.content(batch.error_file_id).text.splitlines()]
@@ -67,15 +93,20 @@ def test_openai_batch_end_to_end(bulk_stack: BulkStack, client: openai.OpenAI) -
 
 
 def test_openai_batch_cancel(bulk_stack: BulkStack, client: openai.OpenAI) -> None:
-    uploaded = client.files.create(file=("many.jsonl", io.BytesIO(batch_file(bulk_stack.model, 60, 48))),
-                                   purpose="batch")
-    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
-                                  completion_window="24h")
+    uploaded = client.files.create(
+        file=("many.jsonl", io.BytesIO(batch_file(bulk_stack.model, 60, 48))), purpose="batch"
+    )
+    batch = client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
     wait_until(lambda: client.batches.retrieve(batch.id).request_counts.completed > 0, 180, "a request done")
     cancelled = client.batches.cancel(batch.id)
     assert cancelled.status in ("cancelling", "cancelled")
-    final = wait_until(lambda: (b := client.batches.retrieve(batch.id)).status == "cancelled" and b, 60,
-                       "the batch to be cancelled")
+    final = wait_until(
+        lambda: (b := client.batches.retrieve(batch.id)).status == "cancelled" and b,
+        60,
+        "the batch to be cancelled",
+    )
     assert 0 < final.request_counts.completed < 60 and final.cancelled_at
     done = client.files.content(final.output_file_id).text.splitlines()
     assert len(done) == final.request_counts.completed
@@ -94,28 +125,43 @@ def test_batch_api_refusals(bulk_stack: BulkStack, client: openai.OpenAI) -> Non
 
 
 def test_parse_input_names_the_bad_line() -> None:
-    ok = (b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", '
-          b'"body": {"model": "m", "prompt": "x"}}')
+    ok = (
+        b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", '
+        b'"body": {"model": "m", "prompt": "x"}}'
+    )
     parsed = batches.parse_input(ok + b"\n\n", "/v1/completions")
     assert parsed == ("m", ["a"], [{"model": "m", "prompt": "x"}])
-    for content, message in ((b"nope", "Line 1"), (ok + b"\n" + ok, "duplicate"),
-                             (ok.replace(b'"m"', b'"n"') + b"\n" + ok.replace(b'"a"', b'"b"'), "same model"),
-                             (b"", "no requests")):
+    for content, message in (
+        (b"nope", "Line 1"),
+        (ok + b"\n" + ok, "duplicate"),
+        (ok.replace(b'"m"', b'"n"') + b"\n" + ok.replace(b'"a"', b'"b"'), "same model"),
+        (b"", "no requests"),
+    ):
         with pytest.raises(batches.BadRequest, match=message):
             batches.parse_input(content, "/v1/completions")
 
 
 def test_admin_upload_progress_and_cancel(bulk_stack: BulkStack) -> None:
-    admin, _ = User.objects.get_or_create(username="bulk-admin", defaults={"is_staff": True,
-                                                                          "is_superuser": True})
+    admin, _ = User.objects.get_or_create(
+        username="bulk-admin", defaults={"is_staff": True, "is_superuser": True}
+    )
     browser = Client()
     browser.force_login(admin)
     rows = "document\n" + "".join(f"Note {i}: the harbour opened at dawn.\n" for i in range(40))
     upload = io.BytesIO(rows.encode())
     upload.name = "docs.csv"
-    response = browser.post(reverse("admin:llmserve_bulkjob_add"), {
-        "name": "admin upload", "model": bulk_stack.model, "kind": "chat", "template": TEMPLATE,
-        "params": json.dumps({**PARAMS, "max_tokens": 32}), "priority": "10", "file": upload})
+    response = browser.post(
+        reverse("admin:llmserve_bulkjob_add"),
+        {
+            "name": "admin upload",
+            "model": bulk_stack.model,
+            "kind": "chat",
+            "template": TEMPLATE,
+            "params": json.dumps({**PARAMS, "max_tokens": 32}),
+            "priority": "10",
+            "file": upload,
+        },
+    )
     assert response.status_code == 302, response.content.decode()[:2000]
     job = BulkJob.objects.get(name="admin upload")
     assert job.items.count() == 40
@@ -125,8 +171,9 @@ def test_admin_upload_progress_and_cancel(bulk_stack: BulkStack) -> None:
     assert "/ 0 / 40" in page and "Tokens/s" in page and "ETA" in page
     listing = browser.get(reverse("admin:llmserve_bulkjob_changelist")).content.decode()
     assert "admin upload" in listing
-    browser.post(reverse("admin:llmserve_bulkjob_changelist"),
-                 {"action": "cancel_jobs", "_selected_action": [job.pk]})
+    browser.post(
+        reverse("admin:llmserve_bulkjob_changelist"), {"action": "cancel_jobs", "_selected_action": [job.pk]}
+    )
     wait_until(lambda: BulkJob.objects.get(pk=job.pk).status == "cancelled", 60, "the job to be cancelled")
     items = browser.get(reverse("admin:llmserve_bulkitem_changelist") + f"?job__id__exact={job.pk}")
     assert items.status_code == 200 and "40 bulk items" in items.content.decode()

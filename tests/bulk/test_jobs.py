@@ -23,10 +23,14 @@ _TOPICS = ["rivers", "bread", "comets", "bees", "trains", "glaciers", "violins",
 
 def documents(count: int, seed: int = 0) -> list[dict[str, str]]:
     """Short, distinct documents (a few dozen tokens each)."""
-    return [{"document": f"Report {seed}-{i}. This note is about {_TOPICS[i % 10]} and "
-                         f"{_TOPICS[(i * 7 + 3) % 10]}. It was written on day {i % 28 + 1} and lists "
-                         f"{i % 9 + 2} facts."}
-            for i in range(count)]
+    return [
+        {
+            "document": f"Report {seed}-{i}. This note is about {_TOPICS[i % 10]} and "
+            f"{_TOPICS[(i * 7 + 3) % 10]}. It was written on day {i % 28 + 1} and lists "
+            f"{i % 9 + 2} facts."
+        }
+        for i in range(count)
+    ]
 
 
 def wait_finished(job: BulkJob, timeout: float = 300) -> BulkJob:
@@ -37,6 +41,7 @@ def wait_finished(job: BulkJob, timeout: float = 300) -> BulkJob:
 
 def bus_outputs(client: EngineClient, model: str, docs: list[dict[str, str]]) -> list[str]:
     """The same greedy requests straight through the bus, a few at a time."""
+
     def one(doc: dict[str, str]) -> str:
         messages = [{"role": "user", "content": TEMPLATE.format_map(doc)}]
         with client.generate(model, params=PARAMS, messages=messages) as stream:
@@ -49,9 +54,11 @@ def bus_outputs(client: EngineClient, model: str, docs: list[dict[str, str]]) ->
 def rest_output(stack: BulkStack, doc: dict[str, str]) -> str:
     messages = [{"role": "user", "content": TEMPLATE.format_map(doc)}]
     body = {"model": stack.model, "messages": messages, **PARAMS}
-    request = urllib.request.Request(stack.base_url + "/v1/chat/completions", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json",
-                                      "Authorization": f"Bearer {stack.api_key}"})
+    request = urllib.request.Request(
+        stack.base_url + "/v1/chat/completions",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json", "Authorization": f"Bearer {stack.api_key}"},
+    )
     with urllib.request.urlopen(request, timeout=120) as reply:
         return json.load(reply)["choices"][0]["message"]["content"]
 
@@ -67,8 +74,10 @@ def test_summarise_200_documents(bulk_stack: BulkStack, bus_client: EngineClient
     job = wait_finished(job)
     elapsed = time.monotonic() - started
     progress = services.progress(job)
-    print(f"200 documents in {elapsed:.1f}s: {progress.items_per_s:.2f} items/s, "
-          f"{progress.tokens_per_s:.1f} tokens/s")
+    print(
+        f"200 documents in {elapsed:.1f}s: {progress.items_per_s:.2f} items/s, "
+        f"{progress.tokens_per_s:.1f} tokens/s"
+    )
     assert job.status == BulkJob.Status.COMPLETED
     assert (progress.total, progress.done, progress.failed) == (200, 200, 0)
     assert progress.completion_tokens > 0 and progress.eta_s is None
@@ -82,8 +91,13 @@ def test_summarise_200_documents(bulk_stack: BulkStack, bus_client: EngineClient
 def test_worker_killed_mid_job(bulk_stack: BulkStack, bus_client: EngineClient) -> None:
     docs = documents(60, seed=1)
     too_long = {"document": "word " * 3000}  # beyond the engine's 512-token context
-    job = services.create_job(bulk_stack.model, TEMPLATE, [*docs, too_long, {"title": "no document field"}],
-                              PARAMS, name="worker killed")
+    job = services.create_job(
+        bulk_stack.model,
+        TEMPLATE,
+        [*docs, too_long, {"title": "no document field"}],
+        PARAMS,
+        name="worker killed",
+    )
     wait_until(lambda: job.items.filter(status=BulkItem.Status.DONE).count() >= 10, 240, "10 items done")
     bulk_stack.kill_worker()
     assert job.items.filter(status=BulkItem.Status.PENDING).exists()
@@ -116,8 +130,13 @@ def test_engine_killed_mid_job(bulk_stack: BulkStack, bus_client: EngineClient) 
 
 
 def test_cancel_aborts_in_flight_requests(bulk_stack: BulkStack, bus_client: EngineClient) -> None:
-    job = services.create_job(bulk_stack.model, TEMPLATE, documents(80, seed=3),
-                              {"temperature": 0.0, "max_tokens": 64}, name="cancelled")
+    job = services.create_job(
+        bulk_stack.model,
+        TEMPLATE,
+        documents(80, seed=3),
+        {"temperature": 0.0, "max_tokens": 64},
+        name="cancelled",
+    )
     wait_until(lambda: job.items.filter(status=BulkItem.Status.DONE).exists(), 240, "an item done")
     assert services.cancel_job(job)
     job = wait_finished(job, timeout=60)

@@ -63,8 +63,15 @@ def engine() -> LLMEngine:
     from inference_engine.llm_engine import LLMEngine
 
     torch.set_num_threads(1)
-    return LLMEngine(EngineConfig(dtype="float32", max_model_len=MAX_MODEL_LEN, max_num_seqs=8,
-                                  kv_cache_memory_bytes=64 * 2**20, log_stats_interval=0))
+    return LLMEngine(
+        EngineConfig(
+            dtype="float32",
+            max_model_len=MAX_MODEL_LEN,
+            max_num_seqs=8,
+            kv_cache_memory_bytes=64 * 2**20,
+            log_stats_interval=0,
+        )
+    )
 
 
 def assert_idle(engine: LLMEngine) -> None:
@@ -82,8 +89,9 @@ def wait_idle(engine: LLMEngine, timeout: float = 5.0) -> None:
     assert_idle(engine)
 
 
-def generate_offline(engine: LLMEngine, prompt: str | list[int],
-                     params: SamplingParams | dict) -> RequestOutput:
+def generate_offline(
+    engine: LLMEngine, prompt: str | list[int], params: SamplingParams | dict
+) -> RequestOutput:
     """Runs one request to completion on the engine itself, with no bus: what the bus must reproduce.
 
     Only while no server is serving `engine`."""
@@ -103,8 +111,14 @@ class ThreadedServer:
 
     def __init__(self, engine: LLMEngine, url: str, prefix: str, model: str = MODEL) -> None:
         self.engine = engine
-        settings = ServeSettings(prefix=prefix, heartbeat_interval=0.2, heartbeat_ttl=1.0, claim_min_idle=0.2,
-                                 idle_block=0.05, shutdown_grace=2.0)
+        settings = ServeSettings(
+            prefix=prefix,
+            heartbeat_interval=0.2,
+            heartbeat_ttl=1.0,
+            claim_min_idle=0.2,
+            idle_block=0.05,
+            shutdown_grace=2.0,
+        )
         self.server = EngineServer(engine, url, model, settings)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
@@ -124,8 +138,9 @@ class ThreadedServer:
 
 
 @pytest.fixture
-def serve(engine: LLMEngine, redis_server: RedisServer,
-          prefix: str) -> Iterator[Callable[[], ThreadedServer]]:
+def serve(
+    engine: LLMEngine, redis_server: RedisServer, prefix: str
+) -> Iterator[Callable[[], ThreadedServer]]:
     """Starts a server over the shared engine (call it after any `generate_offline`); stopped at teardown."""
     servers: list[ThreadedServer] = []
 

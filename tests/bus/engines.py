@@ -9,22 +9,37 @@ import time
 from inference_engine.bus.client import EngineClient
 
 # Small, deterministic and frugal: one torch thread, a small KV budget, fast heartbeats.
-TEST_FLAGS = ["--threads", "1", "--dtype", "float32", "--max-model-len", "512",
-              "--kv-cache-memory-bytes", str(128 * 2**20), "--heartbeat-interval", "0.25",
-              "--heartbeat-ttl", "1.5", "--log-level", "WARNING"]
+TEST_FLAGS = [
+    "--threads",
+    "1",
+    "--dtype",
+    "float32",
+    "--max-model-len",
+    "512",
+    "--kv-cache-memory-bytes",
+    str(128 * 2**20),
+    "--heartbeat-interval",
+    "0.25",
+    "--heartbeat-ttl",
+    "1.5",
+    "--log-level",
+    "WARNING",
+]
 
 
 def start(url: str, prefix: str, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "inference_engine", *args, "--redis-url", url,
-                             "--prefix", prefix, *TEST_FLAGS])
+    return subprocess.Popen(
+        [sys.executable, "-m", "inference_engine", *args, "--redis-url", url, "--prefix", prefix, *TEST_FLAGS]
+    )
 
 
 def serve(url: str, prefix: str, name: str, *flags: str) -> subprocess.Popen:
     return start(url, prefix, "serve", "--served-model-name", name, *flags)
 
 
-def wait_live(client: EngineClient, name: str, count: int, processes: list[subprocess.Popen],
-              timeout: float = 180) -> None:
+def wait_live(
+    client: EngineClient, name: str, count: int, processes: list[subprocess.Popen], timeout: float = 180
+) -> None:
     deadline = time.monotonic() + timeout
     while len(client.live_replicas(name)) < count:
         for p in processes:

@@ -116,12 +116,18 @@ def test_hot_load_and_unload_a_second_model(redis_server, prefix, client):
         while not client.redis.exists(client.keys.supervisor("sup")):
             assert supervisor.poll() is None and time.monotonic() < deadline, "supervisor did not start"
             time.sleep(0.1)
-        client.load_model("smol-b", engine_args={"max_num_seqs": 4, "kv_cache_memory_bytes": 64 * 2**20},
-                          supervisor="sup", timeout=120)
+        client.load_model(
+            "smol-b",
+            engine_args={"max_num_seqs": 4, "kv_cache_memory_bytes": 64 * 2**20},
+            supervisor="sup",
+            timeout=120,
+        )
         assert {m.name for m in client.list_models()} == {MODEL, "smol-b"}
         with ThreadPoolExecutor(2) as pool:
-            a, b = pool.map(lambda m: client.generate(m, "Hi!", {"max_tokens": 6, "temperature": 0}).result(),
-                            [MODEL, "smol-b"])
+            a, b = pool.map(
+                lambda m: client.generate(m, "Hi!", {"max_tokens": 6, "temperature": 0}).result(),
+                [MODEL, "smol-b"],
+            )
         assert a.outputs[0].token_ids == b.outputs[0].token_ids  # same weights, same greedy answer
         client.unload_model("smol-b", supervisor="sup", timeout=60)
         with pytest.raises(ModelNotFoundError):
@@ -150,7 +156,8 @@ def test_sigkill_one_replica_mid_burst(client, replicas):
     assert time.monotonic() - start < 120
     completed = [(rid, r) for rid, r in results if rid is not None]
     failed = [r for rid, r in results if rid is None] + [
-        r for rid, r in completed if r.outputs[0].finish_reason is None]
+        r for rid, r in completed if r.outputs[0].finish_reason is None
+    ]
     assert all(isinstance(r, EngineUnavailableError) for r in failed if isinstance(r, Exception))
     for rid, result in completed:
         assert len(set(_replicas_of(client, rid))) == 1, "a request ran on two replicas"
@@ -158,8 +165,17 @@ def test_sigkill_one_replica_mid_burst(client, replicas):
     assert completed, "the surviving replica should have completed some requests"
     # Who took each request from the stream: its first ACK. (A request the killed replica took but had not
     # streamed yet is re-run and ACKed again by the survivor, on top of its own: not a breach of the bound.)
-    first_acks = [next((P.decode(f) for _, f in client.redis.xrange(client.keys.output(f"kill-{i}"))
-                        if P.decode(f)["type"] == P.ACK), None) for i in range(16)]
+    first_acks = [
+        next(
+            (
+                P.decode(f)
+                for _, f in client.redis.xrange(client.keys.output(f"kill-{i}"))
+                if P.decode(f)["type"] == P.ACK
+            ),
+            None,
+        )
+        for i in range(16)
+    ]
     per_replica = [a["replica"] for a in first_acks if a is not None]
     assert len(set(per_replica)) == 2, "the killed replica had no request in flight"
     assert max(per_replica.count(r) for r in set(per_replica)) <= 8, "a replica took more than --max-inflight"

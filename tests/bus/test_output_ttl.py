@@ -17,16 +17,20 @@ def _expire_calls(raw_redis) -> int:
 
 def test_output_stream_ttl_is_kept_with_few_expires(engine, redis_server, raw_redis, client, prefix):
     ttl = 2
-    settings = ServeSettings(prefix=prefix, heartbeat_interval=0.2, heartbeat_ttl=1.0, idle_block=0.05,
-                             output_ttl=ttl)
+    settings = ServeSettings(
+        prefix=prefix, heartbeat_interval=0.2, heartbeat_ttl=1.0, idle_block=0.05, output_ttl=ttl
+    )
     server = EngineServer(engine, redis_server.url, MODEL, settings)
     server._connect()
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
         before = _expire_calls(raw_redis)
-        stream = client.generate(MODEL, "Count slowly from one to one hundred:",
-                                 SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True))
+        stream = client.generate(
+            MODEL,
+            "Count slowly from one to one hundred:",
+            SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True),
+        )
         key = P.Keys(prefix).output(stream.request_id)
         deltas, ttls = 0, []
         for _ in stream:

@@ -51,8 +51,9 @@ def test_dead_consumers_low_priority_entries_are_recovered(redis_server, raw_red
     keys, low = P.Keys(prefix), P.Keys(prefix).low_priority_requests(MODEL)
     raw_redis.xgroup_create(low, P.GROUP, id="0", mkstream=True)
     raw_redis.set(keys.request_id("bulk"), MODEL)
-    raw_redis.xadd(low, P.encode({"type": P.GENERATE, "id": "bulk", "prompt": "abc", "params": params,
-                                  "priority": BULK}))
+    raw_redis.xadd(
+        low, P.encode({"type": P.GENERATE, "id": "bulk", "prompt": "abc", "params": params, "priority": BULK})
+    )
     raw_redis.xreadgroup(P.GROUP, "ghost", {low: ">"}, count=10)  # took it, then died (no heartbeat)
     server = ThreadedServer(engine, redis_server.url, prefix).start()
     try:
@@ -90,8 +91,9 @@ class StepLog:
                     self.finished[output.request_id] = self.steps
         return outputs
 
-    def steps_to_first_token(self, client: EngineClient, prompt: str, params: SamplingParams
-                             ) -> tuple[int, str, list[int]]:
+    def steps_to_first_token(
+        self, client: EngineClient, prompt: str, params: SamplingParams
+    ) -> tuple[int, str, list[int]]:
         """Submits an interactive request and waits for its end: (engine steps from its submission to its
         first token, its id, its token ids)."""
         with self.lock:

@@ -25,16 +25,23 @@ def test_logprobs_roundtrip():
 
 
 def _output(texts, tokens, finished=False):
-    outs = [CompletionOutput(i, t, ids, finish_reason="stop" if finished else None)
-            for i, (t, ids) in enumerate(zip(texts, tokens, strict=True))]
+    outs = [
+        CompletionOutput(i, t, ids, finish_reason="stop" if finished else None)
+        for i, (t, ids) in enumerate(zip(texts, tokens, strict=True))
+    ]
     return RequestOutput("r", None, [1, 2, 3], outs, finished, RequestMetrics(0.0))
 
 
 def test_delta_tracker_sends_each_token_once():
     tracker = DeltaTracker(prompt_tokens=3)
     first = tracker.messages(_output(["He", ""], [[1], []]), "rep")
-    assert first == [{"type": P.DELTA, "replica": "rep",
-                      "outputs": [{"index": 0, "text": "He", "token_ids": [1], "logprobs": None}]}]
+    assert first == [
+        {
+            "type": P.DELTA,
+            "replica": "rep",
+            "outputs": [{"index": 0, "text": "He", "token_ids": [1], "logprobs": None}],
+        }
+    ]
     assert tracker.messages(_output(["He", ""], [[1], []]), "rep") == []
     delta, final = tracker.messages(_output(["Hello", "x"], [[1, 2], [9]], finished=True), "rep")
     assert [o["text"] for o in delta["outputs"]] == ["llo", "x"]
@@ -44,8 +51,10 @@ def test_delta_tracker_sends_each_token_once():
 
 
 def test_client_and_protocol_do_not_import_torch():
-    code = ("import sys; import inference_engine.bus.client, inference_engine.bus.protocol, "
-            "inference_engine.sampling_params; "
-            "assert 'torch' not in sys.modules, 'torch imported'; print('ok')")
+    code = (
+        "import sys; import inference_engine.bus.client, inference_engine.bus.protocol, "
+        "inference_engine.sampling_params; "
+        "assert 'torch' not in sys.modules, 'torch imported'; print('ok')"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr

@@ -39,14 +39,25 @@ def test_dead_consumers_entries_are_rerun_or_failed(redis_server, raw_redis, pre
     ghost = {"replica": "ghost"}
     raw_redis.xadd(keys.output("acked"), P.encode({"type": P.ACK, "prompt_tokens": 3, **ghost}))
     raw_redis.xadd(keys.output("streamed"), P.encode({"type": P.ACK, "prompt_tokens": 3, **ghost}))
-    raw_redis.xadd(keys.output("streamed"), P.encode(
-        {"type": P.DELTA, "outputs": [{"index": 0, "text": "x", "token_ids": [1]}], **ghost}))
-    raw_redis.xadd(keys.output("done"), P.encode(
-        {"type": P.FINAL, "outputs": [], "usage": {"prompt_tokens": 0, "completion_tokens": 0,
-                                                    "total_tokens": 0}, **ghost}))
+    raw_redis.xadd(
+        keys.output("streamed"),
+        P.encode({"type": P.DELTA, "outputs": [{"index": 0, "text": "x", "token_ids": [1]}], **ghost}),
+    )
+    raw_redis.xadd(
+        keys.output("done"),
+        P.encode(
+            {
+                "type": P.FINAL,
+                "outputs": [],
+                "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
+                **ghost,
+            }
+        ),
+    )
     server = ThreadedServer(engine, redis_server.url, prefix).start()
     try:
         deadline = time.monotonic() + 10
+
         def settled():
             group = raw_redis.xinfo_groups(keys.requests(MODEL))[0]
             return raw_redis.xlen(keys.requests(MODEL)) == 0 and group["consumers"] == 1

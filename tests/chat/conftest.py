@@ -45,8 +45,12 @@ def serve(engine: LLMEngine, redis_server: RedisServer, settings) -> Iterator[Ca
     at it. Call it after any `generate_offline` (the engine must not be stepped by two threads); the server
     is stopped at teardown, which also checks that it left the engine empty with every KV block free."""
     prefix = f"t{uuid.uuid4().hex[:8]}"
-    settings.LLMSERVE = {"REDIS_URL": redis_server.url, "BUS_PREFIX": prefix, "ACK_TIMEOUT": 5.0,
-                         "STREAM_TIMEOUT": 5.0}
+    settings.LLMSERVE = {
+        "REDIS_URL": redis_server.url,
+        "BUS_PREFIX": prefix,
+        "ACK_TIMEOUT": 5.0,
+        "STREAM_TIMEOUT": 5.0,
+    }
     servers: list[ThreadedServer] = []
 
     def start() -> ThreadedServer:
@@ -73,8 +77,12 @@ def stack() -> Iterator[Stack]:
     """The real thing: redis-server, an engine process with the bundled model, daphne; and a login."""
     stack = Stack().start()
     try:
-        stack.manage("shell", "-c", "from django.contrib.auth.models import User; "
-                     f"User.objects.create_superuser({ADMIN[0]!r}, '', {ADMIN[1]!r})")
+        stack.manage(
+            "shell",
+            "-c",
+            "from django.contrib.auth.models import User; "
+            f"User.objects.create_superuser({ADMIN[0]!r}, '', {ADMIN[1]!r})",
+        )
         yield stack
     finally:
         stack.stop()

@@ -31,10 +31,12 @@ def session_cookie(django_user_model) -> bytes:
     return f"sessionid={client.cookies['sessionid'].value}".encode()
 
 
-def communicator(*headers: tuple[bytes, bytes], subprotocols: list[str] | None = None
-                 ) -> WebsocketCommunicator:
-    return WebsocketCommunicator(application, "/ws/chat/", headers=[ORIGIN, *headers],
-                                 subprotocols=subprotocols or ["llmserve.chat"])
+def communicator(
+    *headers: tuple[bytes, bytes], subprotocols: list[str] | None = None
+) -> WebsocketCommunicator:
+    return WebsocketCommunicator(
+        application, "/ws/chat/", headers=[ORIGIN, *headers], subprotocols=subprotocols or ["llmserve.chat"]
+    )
 
 
 async def connected(cookie: bytes) -> WebsocketCommunicator:
@@ -52,8 +54,14 @@ def greedy(max_tokens: int, ignore_eos: bool = True) -> dict[str, Any]:
 
 def chat(request_id: Any = 1, max_tokens: int = 8, **extra: Any) -> dict[str, Any]:
     """A greedy chat message that runs exactly `max_tokens` tokens (EOS ignored)."""
-    return {"type": "chat", "id": request_id, "model": MODEL, "messages": MESSAGES,
-            "params": greedy(max_tokens), **extra}
+    return {
+        "type": "chat",
+        "id": request_id,
+        "model": MODEL,
+        "messages": MESSAGES,
+        "params": greedy(max_tokens),
+        **extra,
+    }
 
 
 async def until_idle(engine) -> None:
@@ -88,8 +96,11 @@ async def test_streams_an_answer_token_by_token(engine, serve, session_cookie) -
     assert deltas == [text for text in per_token if text] and len(deltas) > 1
     completion_tokens = len(expected.token_ids)
     assert end["type"] == "end" and end["id"] == "q1" and end["finish_reason"] == "stop"
-    assert end["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                            "total_tokens": prompt_tokens + completion_tokens}
+    assert end["usage"] == {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
     assert 0 < end["ttft"] < 5 and end["tokens_per_s"] > 0
     await ws.disconnect()
 
@@ -141,23 +152,27 @@ async def test_one_answer_at_a_time(served, session_cookie) -> None:
     await until_idle(served)
 
 
-@pytest.mark.parametrize(("frame", "code", "param"), [
-    ("not json", "invalid_json", None),
-    ('["chat"]', "invalid_message", "type"),
-    ('{"type": "dance"}', "invalid_message", "type"),
-    (chat(model=""), "invalid_value", "model"),
-    (chat(model="no-such-model"), "model_not_found", "model"),
-    (chat(messages=[]), "invalid_value", "messages"),
-    (chat(messages=[{"role": "wizard", "content": "hi"}]), "invalid_value", "messages[0].role"),
-    (chat(params={"temperature": "hot"}), "invalid_type", "temperature"),
-    (chat(params={"temperature": -1}), "invalid_value", "temperature"),
-    (chat(params={"n": 2}), "unknown_parameter", "params.n"),
-    (chat(params={"frobnicate": 1}), "unknown_parameter", "frobnicate"),
-    (chat(params=[1]), "invalid_type", "params"),
-])
+@pytest.mark.parametrize(
+    ("frame", "code", "param"),
+    [
+        ("not json", "invalid_json", None),
+        ('["chat"]', "invalid_message", "type"),
+        ('{"type": "dance"}', "invalid_message", "type"),
+        (chat(model=""), "invalid_value", "model"),
+        (chat(model="no-such-model"), "model_not_found", "model"),
+        (chat(messages=[]), "invalid_value", "messages"),
+        (chat(messages=[{"role": "wizard", "content": "hi"}]), "invalid_value", "messages[0].role"),
+        (chat(params={"temperature": "hot"}), "invalid_type", "temperature"),
+        (chat(params={"temperature": -1}), "invalid_value", "temperature"),
+        (chat(params={"n": 2}), "unknown_parameter", "params.n"),
+        (chat(params={"frobnicate": 1}), "unknown_parameter", "frobnicate"),
+        (chat(params=[1]), "invalid_type", "params"),
+    ],
+)
 @pytest.mark.asyncio
-async def test_bad_input_gets_an_error_and_the_socket_stays_usable(served, session_cookie, frame, code,
-                                                                   param) -> None:
+async def test_bad_input_gets_an_error_and_the_socket_stays_usable(
+    served, session_cookie, frame, code, param
+) -> None:
     ws = await connected(session_cookie)
     if isinstance(frame, dict):
         await ws.send_json_to(frame)
@@ -193,8 +208,10 @@ async def test_api_key_as_subprotocol_or_header_and_its_rate_limit(served) -> No
     from asgiref.sync import sync_to_async
 
     key, raw = await sync_to_async(APIKey.objects.create_key)("chat", rate_limit=1)
-    for ws in (communicator(subprotocols=["llmserve.chat", f"llmserve.key.{raw}"]),
-               communicator((b"authorization", f"Bearer {raw}".encode()))):
+    for ws in (
+        communicator(subprotocols=["llmserve.chat", f"llmserve.key.{raw}"]),
+        communicator((b"authorization", f"Bearer {raw}".encode())),
+    ):
         ok, subprotocol = await ws.connect()
         assert ok and subprotocol == "llmserve.chat"  # never the key
         assert (await ws.receive_json_from(5))["type"] == "ready"
@@ -220,8 +237,9 @@ async def test_api_key_as_subprotocol_or_header_and_its_rate_limit(served) -> No
 
 @pytest.mark.asyncio
 async def test_other_sites_cannot_open_the_socket(served, session_cookie) -> None:
-    ws = WebsocketCommunicator(application, "/ws/chat/", headers=[(b"origin", b"https://evil.example"),
-                                                                  (b"cookie", session_cookie)])
+    ws = WebsocketCommunicator(
+        application, "/ws/chat/", headers=[(b"origin", b"https://evil.example"), (b"cookie", session_cookie)]
+    )
     ok, _ = await ws.connect()
     assert not ok
 

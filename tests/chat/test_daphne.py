@@ -18,9 +18,11 @@ LONG = {"temperature": 0, "max_tokens": 400, "ignore_eos": True}
 
 
 async def open_chat(stack, origin: str | None = None) -> ChatSocket:
-    ws = await ChatSocket.open(stack.base_url.replace("http", "ws") + "/ws/chat/",
-                               origin=origin or stack.base_url,
-                               protocols=["llmserve.chat", f"llmserve.key.{stack.api_key}"])
+    ws = await ChatSocket.open(
+        stack.base_url.replace("http", "ws") + "/ws/chat/",
+        origin=origin or stack.base_url,
+        protocols=["llmserve.chat", f"llmserve.key.{stack.api_key}"],
+    )
     assert ws.subprotocol == "llmserve.chat"
     ready = await ws.receive()
     assert ready["type"] == "ready" and stack.model in [m["id"] for m in ready["models"]]
@@ -28,8 +30,15 @@ async def open_chat(stack, origin: str | None = None) -> ChatSocket:
 
 
 def ask(ws: ChatSocket, stack, request_id: int, params: dict, text: str = "Tell me about the sea.") -> None:
-    ws.send({"type": "chat", "id": request_id, "model": stack.model,
-             "messages": [{"role": "user", "content": text}], "params": params})
+    ws.send(
+        {
+            "type": "chat",
+            "id": request_id,
+            "model": stack.model,
+            "messages": [{"role": "user", "content": text}],
+            "params": params,
+        }
+    )
 
 
 async def all_blocks_free(stack, timeout: float = 10) -> None:

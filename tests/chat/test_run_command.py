@@ -39,8 +39,16 @@ def _setup_is_current() -> bool:
 
 
 def _clean_checkout(target: Path) -> Path:
-    names = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                           check=True, capture_output=True).stdout.decode().split("\0")
+    names = (
+        subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     for name in filter(None, names):
         if (ROOT / name).is_file():
             (target / name).parent.mkdir(parents=True, exist_ok=True)
@@ -71,20 +79,32 @@ def _login(base_url: str) -> tuple[str, str]:
     opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(jar))
     form = opener.open(f"{base_url}/chat/", timeout=30).read().decode()  # redirected to the login page
     token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', form).group(1)
-    data = urllib.parse.urlencode({"csrfmiddlewaretoken": token, "username": ADMIN[0], "password": ADMIN[1],
-                                   "next": "/chat/"}).encode()
+    data = urllib.parse.urlencode(
+        {"csrfmiddlewaretoken": token, "username": ADMIN[0], "password": ADMIN[1], "next": "/chat/"}
+    ).encode()
     page = opener.open(f"{base_url}/accounts/login/?next=/chat/", data, timeout=30).read().decode()
     session = next(c.value for c in jar if c.name == "sessionid")
     return page, f"sessionid={session}"
 
 
 async def _chat(base_url: str, cookie: str) -> dict:
-    ws = await ChatSocket.open(base_url.replace("http", "ws") + "/ws/chat/", origin=base_url,
-                               protocols=["llmserve.chat"], cookie=cookie)
+    ws = await ChatSocket.open(
+        base_url.replace("http", "ws") + "/ws/chat/",
+        origin=base_url,
+        protocols=["llmserve.chat"],
+        cookie=cookie,
+    )
     ready = await ws.receive()
     assert ready["type"] == "ready" and ready["models"], ready
-    ws.send({"type": "chat", "id": 1, "model": ready["models"][0]["id"], "params": {"max_tokens": 8},
-             "messages": [{"role": "user", "content": "Say hello."}]})
+    ws.send(
+        {
+            "type": "chat",
+            "id": 1,
+            "model": ready["models"][0]["id"],
+            "params": {"max_tokens": 8},
+            "messages": [{"role": "user", "content": "Say hello."}],
+        }
+    )
     kinds = []
     while (message := await ws.receive(120))["type"] in ("start", "delta"):
         kinds.append(message["type"])
@@ -98,11 +118,21 @@ def test_run_command_from_a_clean_checkout(tmp_path: Path) -> None:
     checkout = _clean_checkout(tmp_path / "llmserve")
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LLMSERVE_", "DJANGO_", "CELERY_"))}
-    env.update(LLMSERVE_ADMIN_USER=ADMIN[0], LLMSERVE_ADMIN_PASSWORD=ADMIN[1], LLMSERVE_ENGINE_THREADS="1",
-               OMP_NUM_THREADS="1")
-    run = subprocess.Popen([str(checkout / "scripts" / "run"), "--port", str(port)], cwd=checkout, env=env,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           start_new_session=True)  # its own process group, as a terminal gives it
+    env.update(
+        LLMSERVE_ADMIN_USER=ADMIN[0],
+        LLMSERVE_ADMIN_PASSWORD=ADMIN[1],
+        LLMSERVE_ENGINE_THREADS="1",
+        OMP_NUM_THREADS="1",
+    )
+    run = subprocess.Popen(
+        [str(checkout / "scripts" / "run"), "--port", str(port)],
+        cwd=checkout,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )  # its own process group, as a terminal gives it
     output: list[str] = []
     reader = threading.Thread(target=lambda: output.extend(run.stdout), daemon=True)
     reader.start()

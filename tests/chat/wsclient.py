@@ -23,20 +23,27 @@ class ChatSocket:
     """``await ChatSocket.open(url, ...)``, then `send` / `receive`; `drop()` cuts the TCP connection with no
     close frame."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, subprotocol: str | None
-                 ) -> None:
+    def __init__(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, subprotocol: str | None
+    ) -> None:
         self.reader, self.writer, self.subprotocol = reader, writer, subprotocol
 
     @classmethod
-    async def open(cls, url: str, *, origin: str, protocols: list[str], cookie: str | None = None
-                   ) -> ChatSocket:
+    async def open(
+        cls, url: str, *, origin: str, protocols: list[str], cookie: str | None = None
+    ) -> ChatSocket:
         parts = urlsplit(url)
         reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
         key = base64.b64encode(os.urandom(16)).decode()
-        writer.write((f"GET {parts.path} HTTP/1.1\r\nHost: {parts.netloc}\r\nUpgrade: websocket\r\n"
-                      f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n"
-                      f"Origin: {origin}\r\nSec-WebSocket-Protocol: {', '.join(protocols)}\r\n"
-                      + (f"Cookie: {cookie}\r\n" if cookie else "") + "\r\n").encode())
+        writer.write(
+            (
+                f"GET {parts.path} HTTP/1.1\r\nHost: {parts.netloc}\r\nUpgrade: websocket\r\n"
+                f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n"
+                f"Origin: {origin}\r\nSec-WebSocket-Protocol: {', '.join(protocols)}\r\n"
+                + (f"Cookie: {cookie}\r\n" if cookie else "")
+                + "\r\n"
+            ).encode()
+        )
         head = (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)).decode("latin-1")
         status, *lines = head.strip().split("\r\n")
         if " 101 " not in status:

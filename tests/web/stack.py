@@ -26,9 +26,24 @@ ROOT = Path(__file__).resolve().parents[2]
 def engine_flags(threads: int = 1, max_num_seqs: int = 16) -> list[str]:
     """Small, deterministic and frugal: one torch thread by default (other processes share the cores), fp32,
     a short context, a 128 MiB KV cache and fast heartbeats."""
-    return ["--threads", str(threads), "--max-num-seqs", str(max_num_seqs), "--dtype", "float32",
-            "--max-model-len", "512", "--kv-cache-memory-bytes", str(128 * 2**20),
-            "--heartbeat-interval", "0.25", "--heartbeat-ttl", "1.5", "--log-level", "WARNING"]
+    return [
+        "--threads",
+        str(threads),
+        "--max-num-seqs",
+        str(max_num_seqs),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "512",
+        "--kv-cache-memory-bytes",
+        str(128 * 2**20),
+        "--heartbeat-interval",
+        "0.25",
+        "--heartbeat-ttl",
+        "1.5",
+        "--log-level",
+        "WARNING",
+    ]
 
 
 @dataclass
@@ -49,34 +64,58 @@ class Stack:
     @property
     def env(self) -> dict[str, str]:
         assert self.redis is not None
-        return {**os.environ, "DJANGO_SETTINGS_MODULE": "hostproject.settings",
-                "LLMSERVE_DB_PATH": str(self.workdir / "db.sqlite3"), "LLMSERVE_REDIS_URL": self.redis.url,
-                "DJANGO_SECRET_KEY": "test-only-secret", "PYTHONPATH": str(ROOT),
-                "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+        return {
+            **os.environ,
+            "DJANGO_SETTINGS_MODULE": "hostproject.settings",
+            "LLMSERVE_DB_PATH": str(self.workdir / "db.sqlite3"),
+            "LLMSERVE_REDIS_URL": self.redis.url,
+            "DJANGO_SECRET_KEY": "test-only-secret",
+            "PYTHONPATH": str(ROOT),
+            "OMP_NUM_THREADS": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
 
     def manage(self, *args: str) -> str:
-        done = subprocess.run([sys.executable, "manage.py", *args], cwd=ROOT, env=self.env, check=True,
-                              capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            [sys.executable, "manage.py", *args],
+            cwd=ROOT,
+            env=self.env,
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         return done.stdout
 
     def start(self) -> Stack:
         self.redis = RedisServer().start()
         # The engine loads its model while the database is prepared.
-        self.engine = self._spawn("engine", "-m", "inference_engine", "serve", "--served-model-name",
-                                  self.model, "--redis-url", self.redis.url, *self.engine_flags)
+        self.engine = self._spawn(
+            "engine",
+            "-m",
+            "inference_engine",
+            "serve",
+            "--served-model-name",
+            self.model,
+            "--redis-url",
+            self.redis.url,
+            *self.engine_flags,
+        )
         self.manage("migrate", "--verbosity", "0")
         self.api_key = self.manage("llmserve_createkey", "tests").strip()
         self.port = free_port()
-        self.daphne = self._spawn("daphne", "-m", "daphne", "-b", "127.0.0.1", "-p", str(self.port),
-                                  "hostproject.asgi:application")
+        self.daphne = self._spawn(
+            "daphne", "-m", "daphne", "-b", "127.0.0.1", "-p", str(self.port), "hostproject.asgi:application"
+        )
         self.wait_ready()
         return self
 
     def _spawn(self, name: str, *args: str) -> subprocess.Popen:
         """A child process whose output goes to ``{workdir}/{name}.log`` (shown when it fails)."""
         with open(self.workdir / f"{name}.log", "w") as log:  # the child keeps its own descriptor
-            return subprocess.Popen([sys.executable, *args], cwd=ROOT, env=self.env, stdout=log,
-                                    stderr=subprocess.STDOUT)
+            return subprocess.Popen(
+                [sys.executable, *args], cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT
+            )
 
     def wait_ready(self, timeout: float = 240) -> None:
         deadline = time.monotonic() + timeout
@@ -91,8 +130,9 @@ class Stack:
             except (OSError, urllib.error.URLError, ValueError):
                 pass
             time.sleep(0.3)
-        raise TimeoutError(f"the stack was not ready within {timeout}s:\n{self.log('engine')}\n"
-                           f"{self.log('daphne')}")
+        raise TimeoutError(
+            f"the stack was not ready within {timeout}s:\n{self.log('engine')}\n{self.log('daphne')}"
+        )
 
     def log(self, name: str) -> str:
         path = self.workdir / f"{name}.log"

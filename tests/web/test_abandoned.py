@@ -18,8 +18,10 @@ pytestmark = pytest.mark.timeout(300)
 async def _abandon(port: int, key: str, body: dict, after: float) -> None:
     payload = json.dumps(body).encode()
     _, writer = await asyncio.open_connection("127.0.0.1", port)
-    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            f"Authorization: Bearer {key}\r\nContent-Length: {len(payload)}\r\n\r\n")
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {key}\r\nContent-Length: {len(payload)}\r\n\r\n"
+    )
     writer.write(head.encode() + payload)
     await writer.drain()
     await asyncio.sleep(after)
@@ -28,9 +30,17 @@ async def _abandon(port: int, key: str, body: dict, after: float) -> None:
 
 
 async def _abandon_all(port: int, key: str, model: str, count: int) -> None:
-    bodies = [{"model": model, "messages": [{"role": "user", "content": f"Tell me a long story about {i}."}],
-               "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": i % 2 == 0}
-              for i in range(count)]
+    bodies = [
+        {
+            "model": model,
+            "messages": [{"role": "user", "content": f"Tell me a long story about {i}."}],
+            "max_tokens": 200,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": i % 2 == 0,
+        }
+        for i in range(count)
+    ]
     await asyncio.gather(*(_abandon(port, key, body, 0.5) for body in bodies))
 
 
@@ -44,8 +54,9 @@ def test_abandoned_requests_are_aborted_and_free_their_blocks(stack) -> None:
 
     client = openai.OpenAI(base_url=stack.base_url + "/v1", api_key=stack.api_key, max_retries=0, timeout=60)
     started = time.monotonic()
-    answer = client.chat.completions.create(model=stack.model, messages=[{"role": "user", "content": "Hi"}],
-                                            max_tokens=8, temperature=0)
+    answer = client.chat.completions.create(
+        model=stack.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=8, temperature=0
+    )
     elapsed = time.monotonic() - started
     assert answer.choices[0].message.content and elapsed < 20, elapsed
 

@@ -70,8 +70,9 @@ def test_admin_shows_a_new_key_once(admin_client) -> None:
     assert key.hashed_key == hash_key(raw) and key.rate_limit == 5
     change = admin_client.get(reverse("admin:llmserve_apikey_change", args=[key.pk]))
     assert raw not in change.content.decode()
-    admin_client.post(reverse("admin:llmserve_apikey_changelist"),
-                      {"action": "revoke_keys", "_selected_action": [key.pk]})
+    admin_client.post(
+        reverse("admin:llmserve_apikey_changelist"), {"action": "revoke_keys", "_selected_action": [key.pk]}
+    )
     key.refresh_from_db()
     assert key.revoked
 
@@ -99,14 +100,26 @@ def test_admin_model_list_renders_without_engines(admin_client) -> None:
 
 @pytest.mark.django_db
 def test_engine_command_line_from_model_config() -> None:
-    model = ModelConfig.objects.create(name="tiny", source="gguf", path="/models/tiny.gguf", dtype="float32",
-                                       max_model_len=2048, enable_prefix_caching=False)
+    model = ModelConfig.objects.create(
+        name="tiny",
+        source="gguf",
+        path="/models/tiny.gguf",
+        dtype="float32",
+        max_model_len=2048,
+        enable_prefix_caching=False,
+    )
     with override_settings(LLMSERVE={"REDIS_URL": "redis://127.0.0.1:7000/0", "ENGINE_THREADS": 1}):
         cmd = serve_command(model)
     joined = " ".join(cmd)
-    for part in ("serve --served-model-name tiny", "--redis-url redis://127.0.0.1:7000/0",
-                 "--model /models/tiny.gguf", "--threads 1", "--dtype float32", "--max-model-len 2048",
-                 "--no-enable-prefix-caching"):
+    for part in (
+        "serve --served-model-name tiny",
+        "--redis-url redis://127.0.0.1:7000/0",
+        "--model /models/tiny.gguf",
+        "--threads 1",
+        "--dtype float32",
+        "--max-model-len 2048",
+        "--no-enable-prefix-caching",
+    ):
         assert part in joined
 
 
@@ -137,8 +150,9 @@ def test_checks_pass_with_a_live_redis(stack) -> None:
 
 
 def test_checks_catch_bad_settings() -> None:
-    with override_settings(LLMSERVE={"REDIS_URL": "redis://x", "MAX_QEUE": 3, "MAX_BODY_BYTES": -1,
-                                     "OPEN_ACCESS": "yes"}):
+    with override_settings(
+        LLMSERVE={"REDIS_URL": "redis://x", "MAX_QEUE": 3, "MAX_BODY_BYTES": -1, "OPEN_ACCESS": "yes"}
+    ):
         messages = checks.run_checks(tags=["compatibility"])
     assert {"llmserve.E003", "llmserve.E004"} <= _ids(messages)
 
@@ -148,19 +162,27 @@ def test_no_missing_migrations() -> None:
     call_command("makemigrations", "--check", "--dry-run", verbosity=0)
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"model": "m", "messages": []}, "messages"),
-    ({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
-    ({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-     "messages[0].content"),
-    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, "temperature"),
-    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": True}, "n"),
-    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_p": 2}, "top_p"),
-    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
-    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stream_options": {}}, "stream_options"),
-    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": []}, "tools"),
-    ({"messages": [{"role": "user", "content": "x"}]}, "model"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"model": "m", "messages": []}, "messages"),
+        ({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages[0].content",
+        ),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, "temperature"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": True}, "n"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_p": 2}, "top_p"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream_options": {}},
+            "stream_options",
+        ),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": []}, "tools"),
+        ({"messages": [{"role": "user", "content": "x"}]}, "model"),
+    ],
+)
 def test_chat_body_validation(body: dict, param: str) -> None:
     with pytest.raises(BadRequest) as info:
         schema.parse("chat", body)
@@ -168,10 +190,22 @@ def test_chat_body_validation(body: dict, param: str) -> None:
 
 
 def test_chat_body_maps_to_sampling_params() -> None:
-    request = schema.parse("chat", {
-        "model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
-        "max_completion_tokens": 9, "logprobs": True, "top_logprobs": 3, "stop": "\n", "seed": 4,
-        "stream": True, "stream_options": {"include_usage": True}, "logit_bias": {"42": -100}, "user": "u"})
+    request = schema.parse(
+        "chat",
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+            "max_completion_tokens": 9,
+            "logprobs": True,
+            "top_logprobs": 3,
+            "stop": "\n",
+            "seed": 4,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "logit_bias": {"42": -100},
+            "user": "u",
+        },
+    )
     assert request.messages == [{"role": "user", "content": "hi"}]
     params = request.params
     assert (params.max_tokens, params.logprobs, params.stop, params.seed) == (9, 3, ["\n"], 4)

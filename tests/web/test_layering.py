@@ -25,7 +25,8 @@ print("ok")
 
 def test_web_tier_does_not_import_torch() -> None:
     env = {**os.environ, "DJANGO_SETTINGS_MODULE": "hostproject.settings", "DJANGO_SECRET_KEY": "x"}
-    done = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"

@@ -37,41 +37,82 @@ CASES = [
     ("stop number", CHAT, _chat(stop=5), "application/json", 400, "stop"),
     ("messages string", CHAT, _chat(messages="hi"), "application/json", 400, "messages"),
     ("message not object", CHAT, _chat(messages=["hi"]), "application/json", 400, "messages[0]"),
-    ("bad role", CHAT, _chat(messages=[{"role": "robot", "content": "x"}]), "application/json", 400,
-     "messages[0].role"),
-    ("image part", CHAT, _chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
-     "application/json", 400, "messages[0].content"),
+    (
+        "bad role",
+        CHAT,
+        _chat(messages=[{"role": "robot", "content": "x"}]),
+        "application/json",
+        400,
+        "messages[0].role",
+    ),
+    (
+        "image part",
+        CHAT,
+        _chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
+        "application/json",
+        400,
+        "messages[0].content",
+    ),
     ("empty messages", CHAT, _chat(messages=[]), "application/json", 400, "messages"),
     ("negative temperature", CHAT, _chat(temperature=-1), "application/json", 400, "temperature"),
     ("top_p above 1", CHAT, _chat(top_p=2), "application/json", 400, "top_p"),
     ("n zero", CHAT, _chat(n=0), "application/json", 400, "n"),
     ("max_tokens zero", CHAT, _chat(max_tokens=0), "application/json", 400, "max_tokens"),
-    ("top_logprobs too many", CHAT, _chat(logprobs=True, top_logprobs=50), "application/json", 400,
-     "top_logprobs"),
+    (
+        "top_logprobs too many",
+        CHAT,
+        _chat(logprobs=True, top_logprobs=50),
+        "application/json",
+        400,
+        "top_logprobs",
+    ),
     ("presence penalty", CHAT, _chat(presence_penalty=5), "application/json", 400, "presence_penalty"),
     ("logit bias range", CHAT, _chat(logit_bias={"1": 1000}), "application/json", 400, "logit_bias"),
     ("logit bias key", CHAT, _chat(logit_bias={"x": 1}), "application/json", 400, "logit_bias"),
     ("unknown parameter", CHAT, _chat(tools=[{"type": "function"}]), "application/json", 400, "tools"),
     ("unknown model", CHAT, _chat(model="no-such-model"), "application/json", 404, "model"),
-    ("prompt beyond max_model_len", COMPLETIONS,
-     json.dumps({"model": "smol", "prompt": "hello " * 2000, "max_tokens": 4}).encode(), "application/json",
-     400, None),
+    (
+        "prompt beyond max_model_len",
+        COMPLETIONS,
+        json.dumps({"model": "smol", "prompt": "hello " * 2000, "max_tokens": 4}).encode(),
+        "application/json",
+        400,
+        None,
+    ),
     ("max_tokens beyond context", CHAT, _chat(max_tokens=100_000), "application/json", 400, None),
-    ("token id out of vocabulary", COMPLETIONS,
-     json.dumps({"model": "smol", "prompt": [10**9], "max_tokens": 4}).encode(), "application/json", 400,
-     None),
-    ("several prompts", COMPLETIONS, json.dumps({"model": "smol", "prompt": ["a", "b"]}).encode(),
-     "application/json", 400, "prompt"),
-    ("prompt over the character limit", COMPLETIONS,
-     json.dumps({"model": "smol", "prompt": "x" * 300_000}).encode(), "application/json", 400, "prompt"),
+    (
+        "token id out of vocabulary",
+        COMPLETIONS,
+        json.dumps({"model": "smol", "prompt": [10**9], "max_tokens": 4}).encode(),
+        "application/json",
+        400,
+        None,
+    ),
+    (
+        "several prompts",
+        COMPLETIONS,
+        json.dumps({"model": "smol", "prompt": ["a", "b"]}).encode(),
+        "application/json",
+        400,
+        "prompt",
+    ),
+    (
+        "prompt over the character limit",
+        COMPLETIONS,
+        json.dumps({"model": "smol", "prompt": "x" * 300_000}).encode(),
+        "application/json",
+        400,
+        "prompt",
+    ),
     ("wrong content type", CHAT, _chat(), "text/plain", 415, None),
     ("form encoded", CHAT, b"model=smol", "application/x-www-form-urlencoded", 415, None),
     ("oversized body", CHAT, _chat(pad="x" * (3 * 2**20)), "application/json", 413, None),
 ]
 
 
-def _request(stack, method: str, path: str, body: bytes | None, content_type: str | None,
-             auth: bool = True) -> tuple[int, dict, dict]:
+def _request(
+    stack, method: str, path: str, body: bytes | None, content_type: str | None, auth: bool = True
+) -> tuple[int, dict, dict]:
     conn = http.client.HTTPConnection("127.0.0.1", stack.port, timeout=120)
     headers = {"Content-Type": content_type} if content_type else {}
     if auth:
@@ -92,8 +133,9 @@ def _assert_openai_error(status: int, headers: dict, body: dict) -> dict:
     return error
 
 
-@pytest.mark.parametrize(("name", "path", "body", "content_type", "status", "param"), CASES,
-                         ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(
+    ("name", "path", "body", "content_type", "status", "param"), CASES, ids=[c[0] for c in CASES]
+)
 def test_malformed_input_gets_an_openai_error(stack, name, path, body, content_type, status, param) -> None:
     got, headers, answer = _request(stack, "POST", path, body, content_type)
     assert got == status, answer
@@ -102,12 +144,15 @@ def test_malformed_input_gets_an_openai_error(stack, name, path, body, content_t
         assert error["param"] == param, error
 
 
-@pytest.mark.parametrize("method, path, auth, status", [
-    ("GET", CHAT, True, 405),
-    ("PUT", "/v1/models", True, 405),
-    ("GET", "/v1/models", False, 401),
-    ("POST", "/tokenize", True, 415),
-])
+@pytest.mark.parametrize(
+    "method, path, auth, status",
+    [
+        ("GET", CHAT, True, 405),
+        ("PUT", "/v1/models", True, 405),
+        ("GET", "/v1/models", False, 401),
+        ("POST", "/tokenize", True, 415),
+    ],
+)
 def test_other_request_errors(stack, method, path, auth, status) -> None:
     got, headers, answer = _request(stack, method, path, None, None, auth=auth)
     assert got == status

@@ -58,13 +58,16 @@ def test_completion_stream_equals_non_stream(client, stack) -> None:
 
 def test_usage_counts(client, stack) -> None:
     prompt = "Once upon a time"
-    full = client.completions.create(model=stack.model, prompt=prompt, max_tokens=7, temperature=0,
-                                     extra_body={"ignore_eos": True})
+    full = client.completions.create(
+        model=stack.model, prompt=prompt, max_tokens=7, temperature=0, extra_body={"ignore_eos": True}
+    )
     # The engine's own tokenizer, through /tokenize, counts the prompt.
-    request = urllib.request.Request(stack.base_url + "/tokenize", method="POST",
-                                     data=json.dumps({"model": stack.model, "prompt": prompt}).encode(),
-                                     headers={"Content-Type": "application/json",
-                                              "Authorization": f"Bearer {stack.api_key}"})
+    request = urllib.request.Request(
+        stack.base_url + "/tokenize",
+        method="POST",
+        data=json.dumps({"model": stack.model, "prompt": prompt}).encode(),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {stack.api_key}"},
+    )
     with urllib.request.urlopen(request, timeout=30) as reply:
         tokenized = json.load(reply)
     assert full.usage.prompt_tokens == tokenized["count"]
@@ -73,13 +76,15 @@ def test_usage_counts(client, stack) -> None:
 
 
 def test_n_greater_than_one(client, stack) -> None:
-    full = client.chat.completions.create(model=stack.model, messages=MESSAGES, n=3, max_tokens=8,
-                                          temperature=1.0, seed=7)
+    full = client.chat.completions.create(
+        model=stack.model, messages=MESSAGES, n=3, max_tokens=8, temperature=1.0, seed=7
+    )
     assert sorted(c.index for c in full.choices) == [0, 1, 2]
     assert all(c.message.content and c.finish_reason in ("stop", "length") for c in full.choices)
     assert 3 <= full.usage.completion_tokens <= 3 * 8
-    texts, finish, _ = _streamed_chat(client, model=stack.model, messages=MESSAGES, n=2, max_tokens=8,
-                                      temperature=1.0, seed=7)
+    texts, finish, _ = _streamed_chat(
+        client, model=stack.model, messages=MESSAGES, n=2, max_tokens=8, temperature=1.0, seed=7
+    )
     assert sorted(texts) == [0, 1] and sorted(finish) == [0, 1]
 
 
@@ -92,23 +97,25 @@ def test_seed_reproduces_a_sampled_answer(client, stack) -> None:
 def test_stop_string(client, stack) -> None:
     kwargs = {"model": stack.model, "prompt": "Count: 1, 2, 3,", "max_tokens": 16, "temperature": 0}
     text = client.completions.create(**kwargs).choices[0].text
-    stop = text[len(text) // 2:][:3]  # something the greedy answer is sure to reach
+    stop = text[len(text) // 2 :][:3]  # something the greedy answer is sure to reach
     assert stop.strip()
     stopped = client.completions.create(stop=[stop], **kwargs).choices[0]
     assert stopped.finish_reason == "stop"
-    assert stopped.text == text[:text.index(stop)]
+    assert stopped.text == text[: text.index(stop)]
 
 
 def test_logprobs(client, stack) -> None:
-    chat = client.chat.completions.create(model=stack.model, messages=MESSAGES, max_tokens=6, temperature=0,
-                                          logprobs=True, top_logprobs=2)
+    chat = client.chat.completions.create(
+        model=stack.model, messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens
     assert "".join(t.token for t in content) == chat.choices[0].message.content
     assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
     assert all(t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob for t in content)
-    text = client.completions.create(model=stack.model, prompt="Hello", max_tokens=5, temperature=0,
-                                     logprobs=3)
+    text = client.completions.create(
+        model=stack.model, prompt="Hello", max_tokens=5, temperature=0, logprobs=3
+    )
     logprobs = text.choices[0].logprobs
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 5
     assert all(len(top) == 3 for top in logprobs.top_logprobs)
@@ -132,8 +139,12 @@ def test_error_cases_raise_matching_exceptions(client, stack) -> None:
     wrong_key = openai.OpenAI(base_url=stack.base_url + "/v1", api_key="sk-llm-wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         wrong_key.chat.completions.create(model=stack.model, messages=MESSAGES)
-    stack.manage("shell", "-c", "from llmserve.models import ModelConfig; "
-                 "ModelConfig.objects.get_or_create(name='configured-but-down')")
+    stack.manage(
+        "shell",
+        "-c",
+        "from llmserve.models import ModelConfig; "
+        "ModelConfig.objects.get_or_create(name='configured-but-down')",
+    )
     with pytest.raises(openai.InternalServerError) as down:
         client.chat.completions.create(model="configured-but-down", messages=MESSAGES)
     assert down.value.status_code == 503
@@ -175,9 +186,16 @@ def test_metrics_after_traffic(client, stack) -> None:
     time.sleep(0.5)  # one heartbeat
     with urllib.request.urlopen(stack.base_url + "/metrics", timeout=10) as reply:
         text = reply.read().decode()
-    for name in ("llmserve_num_requests_running", "llmserve_num_requests_waiting",
-                 "llmserve_kv_cache_usage_perc", "llmserve_prompt_tokens_total",
-                 "llmserve_generation_tokens_total", "llmserve_num_preemptions_total",
-                 "llmserve_time_to_first_token_seconds_count", "llmserve_inter_token_latency_seconds_count",
-                 "llmserve_e2e_request_latency_seconds_count", "llmserve_request_queue_time_seconds_count"):
+    for name in (
+        "llmserve_num_requests_running",
+        "llmserve_num_requests_waiting",
+        "llmserve_kv_cache_usage_perc",
+        "llmserve_prompt_tokens_total",
+        "llmserve_generation_tokens_total",
+        "llmserve_num_preemptions_total",
+        "llmserve_time_to_first_token_seconds_count",
+        "llmserve_inter_token_latency_seconds_count",
+        "llmserve_e2e_request_latency_seconds_count",
+        "llmserve_request_queue_time_seconds_count",
+    ):
         assert f'{name}{{model_name="{stack.model}"' in text, name

@@ -20,11 +20,17 @@ pytestmark = pytest.mark.timeout(300)
 
 def test_curl_chat_completion_has_the_documented_shape(stack) -> None:
     # curl http://localhost:8000/v1/chat/completions -H "Content-Type: application/json" -d '{...}'
-    body = {"model": stack.model, "messages": [{"role": "user", "content": "请用中文介绍 vLLM 的核心优势"}],
-            "max_tokens": 32, "temperature": 0.7}
-    request = urllib.request.Request(stack.base_url + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json",
-                                              "Authorization": f"Bearer {stack.api_key}"})
+    body = {
+        "model": stack.model,
+        "messages": [{"role": "user", "content": "请用中文介绍 vLLM 的核心优势"}],
+        "max_tokens": 32,
+        "temperature": 0.7,
+    }
+    request = urllib.request.Request(
+        stack.base_url + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {stack.api_key}"},
+    )
     with urllib.request.urlopen(request, timeout=120) as reply:
         assert reply.status == 200 and reply.headers["Content-Type"] == "application/json"
         answer = json.load(reply)

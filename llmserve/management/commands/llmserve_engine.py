@@ -19,8 +19,16 @@ from llmserve.models import ModelConfig
 
 def serve_command(model: ModelConfig, extra: list[str] | None = None) -> list[str]:
     """The engine's command line for `model` (engine flags from the row, bus flags from the settings)."""
-    cmd = [sys.executable, "-m", "inference_engine", "serve", "--served-model-name", model.name,
-           "--prefix", conf.get("BUS_PREFIX")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "inference_engine",
+        "serve",
+        "--served-model-name",
+        model.name,
+        "--prefix",
+        conf.get("BUS_PREFIX"),
+    ]
     if conf.get("REDIS_URL"):
         cmd += ["--redis-url", conf.get("REDIS_URL")]
     if model.model_path:
