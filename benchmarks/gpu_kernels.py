@@ -32,8 +32,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))  # `python benchmarks/gpu_kernels.py` works without an install
 
-import kernels  # noqa: E402
-from kernels.decode_attention import choose_num_splits  # noqa: E402
+from kernels import reference  # noqa: E402
+from kernels import triton as kernels  # noqa: E402
+from kernels.triton.decode_attention import choose_num_splits  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -213,13 +214,13 @@ def check_kernels(
     slots[::7] = -1  # padding entries must write nothing
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     kernels.store_kvcache(key, value, k_cache, v_cache, slots)
-    kernels.store_kvcache_ref(key, value, k_ref, v_ref, slots)
+    reference.store_kvcache_ref(key, value, k_ref, v_ref, slots)
     errors["store_kvcache"] = max(float((k_cache - k_ref).abs().max()), float((v_cache - v_ref).abs().max()))
 
     q = torch.randn(len(seq_lens), shape.num_heads, shape.head_dim, generator=gen, device=device).to(dtype)
     for num_splits in (1, None):
         out = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, num_splits)
-        ref = kernels.paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, scale)
+        ref = reference.paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, scale)
         errors[f"paged_decode_attention(num_splits={num_splits})"] = float(
             (out.float() - ref.float()).abs().max()
         )
@@ -230,7 +231,7 @@ def check_kernels(
     )
     args = (q_ext, k_cache, v_cache, tables, query_start_loc, lens, scale, max(chunk_lens))
     out = kernels.paged_extend_attention(*args)
-    ref = kernels.paged_extend_attention_ref(*args)
+    ref = reference.paged_extend_attention_ref(*args)
     errors["paged_extend_attention"] = float((out.float() - ref.float()).abs().max())
 
     # NaN compares false, so `not err <= tol` also fails on NaN.

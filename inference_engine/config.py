@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from inference_engine.errors import InvalidRequestError
 
+QUANTIZATION_METHODS = ("awq", "gptq", "gguf", "int8", "none")
+
 
 @dataclass
 class EngineConfig:
@@ -14,6 +16,7 @@ class EngineConfig:
     dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     attention_backend: str = "auto"  # "auto" | "torch" | "triton"
+    quantization: str | None = None  # QUANTIZATION_METHODS; None = what the checkpoint declares
     max_num_seqs: int = 256
     max_model_len: int | None = None  # None = the model's own context length
     max_num_batched_tokens: int = 2048  # token budget per step; longer prompts are prefilled in chunks
@@ -31,6 +34,10 @@ class EngineConfig:
             raise InvalidRequestError(f"block_size must be 8, 16 or 32, got {self.block_size}.")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise InvalidRequestError(f"unknown dtype {self.dtype!r}.")
+        if self.quantization not in (None, *QUANTIZATION_METHODS):
+            raise InvalidRequestError(
+                f"unknown quantization {self.quantization!r} (choose from {', '.join(QUANTIZATION_METHODS)})."
+            )
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise InvalidRequestError(f"unknown attention_backend {self.attention_backend!r}.")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

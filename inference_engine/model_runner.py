@@ -107,9 +107,7 @@ class ModelRunner:
             torch.set_default_dtype(default_dtype)
         self.model.load_weights(loaded.weights)
         self.model.eval()
-        for module in self.model.modules():
-            if hasattr(module, "prepack"):
-                module.prepack()
+        self.model.finalize(quantize_int8=config.quantization == "int8")
         self.num_blocks = self._num_kv_blocks()
         mc = self.model_config
         self.kv_cache = torch.zeros(
@@ -144,7 +142,7 @@ class ModelRunner:
 
     @property
     def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return self.model.weight_bytes
 
     def _num_kv_blocks(self) -> int:
         budget = self.config.kv_cache_memory_bytes

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from inference_engine import cpu_kernels
 from inference_engine.outputs import Logprob
 from inference_engine.sequence import Sequence
+from kernels.cpu import sampling as cpu_sampling
 
 
 @dataclass
@@ -26,7 +26,7 @@ class SampleResult:
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """Greedy tokens of [rows, vocab] logits: the native kernel where it runs (torch.argmax is
     single-threaded on the CPU), else torch.argmax, with the same result."""
-    tokens = cpu_kernels.argmax(logits)
+    tokens = cpu_sampling.argmax(logits)
     return tokens if tokens is not None else logits.argmax(dim=-1)
 
 

@@ -1,19 +1,7 @@
-"""Triton kernels for paged attention and the KV-cache store, with PyTorch references.
+"""Every kernel the engine runs, beside its plain PyTorch reference (`reference.py`).
 
-This package imports only torch and triton. On CUDA the Triton kernels run natively; on CPU they run under
-Triton's interpreter (``TRITON_INTERPRET=1``, set before Python starts), which is how the tests check them.
+`kernels.triton` holds the Triton kernels (CUDA; on the CPU they run under Triton's interpreter,
+``TRITON_INTERPRET=1`` set before Python starts, which is how the tests check them); `kernels.cpu` the
+native CPU kernels and their loader. This package imports only torch, triton and ctypes, never engine
+code; its subpackages load on demand, so using one never imports the other.
 """
-
-from .decode_attention import paged_decode_attention
-from .extend_attention import paged_extend_attention
-from .kv_store import store_kvcache
-from .reference import paged_decode_attention_ref, paged_extend_attention_ref, store_kvcache_ref
-
-__all__ = [
-    "paged_decode_attention",
-    "paged_decode_attention_ref",
-    "paged_extend_attention",
-    "paged_extend_attention_ref",
-    "store_kvcache",
-    "store_kvcache_ref",
-]

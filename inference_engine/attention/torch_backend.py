@@ -1,6 +1,6 @@
 """Paged attention in PyTorch: the CPU backend (and a fallback wherever Triton is missing).
 
-Where the native CPU kernel of `cpu_kernels` is available, every decode, and every new token of a
+Where the native CPU kernel (`kernels.cpu.attention`) is available, every decode, and every new token of a
 sequence that brings at most `native_query_max` of them, is one query of that kernel, which reads the
 paged cache in place up to the token's own position. Otherwise single-token queries gather their
 sequences' K/V through the block tables into one padded batch and run one masked
@@ -18,9 +18,9 @@ from itertools import accumulate
 import torch
 import torch.nn.functional as F
 
-from inference_engine import cpu_kernels
 from inference_engine.attention import AttentionMetadata
-from inference_engine.timing import best_time
+from kernels.cpu import attention as cpu_attention
+from kernels.timing import best_time
 
 NATIVE_QUERY_MIN = 32  # chunks of up to this many new tokens always run on the native kernel
 _CALIBRATION_LENGTHS = (64, 128, 256, 512, 1024)  # longer would make the timing itself costly
@@ -29,7 +29,7 @@ _CALIBRATION_LENGTHS = (64, 128, 256, 512, 1024)  # longer would make the timing
 def store_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
 ):
-    if cpu_kernels.store_kv(k, v, k_cache, v_cache, slots):
+    if cpu_attention.store_kv(k, v, k_cache, v_cache, slots):
         return
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k)
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)
@@ -55,7 +55,7 @@ def forward(
         limit = native_query_max(q.shape[1], k_cache.shape[2], q.shape[2], q.dtype, torch.get_num_threads())
     by_token = [b for b, n in enumerate(meta.query_lens) if n <= limit]
     if len(by_token) == len(meta.query_lens):
-        out = cpu_kernels.paged_decode(q, k_cache, v_cache, *meta.per_token(), scale)
+        out = cpu_attention.paged_decode(q, k_cache, v_cache, *meta.per_token(), scale)
         if out is not None:
             return out
         by_token = []
@@ -63,7 +63,7 @@ def forward(
     if by_token:
         rows = torch.cat([torch.arange(starts[b], starts[b + 1]) for b in by_token])
         tables, lens = meta.per_token()
-        native = cpu_kernels.paged_decode(q[rows], k_cache, v_cache, tables[rows], lens[rows], scale)
+        native = cpu_attention.paged_decode(q[rows], k_cache, v_cache, tables[rows], lens[rows], scale)
         if native is None:
             by_token = []
         else:
@@ -112,9 +112,9 @@ def native_query_max(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtyp
     def native(n: int) -> float:
         q, k, v, tables, lens = inputs(n)
         caches = k.view(-1, block_size, kv_heads, head_dim), v.view(-1, block_size, kv_heads, head_dim)
-        if cpu_kernels.paged_decode(q, *caches, tables, lens, scale) is None:
+        if cpu_attention.paged_decode(q, *caches, tables, lens, scale) is None:
             return float("inf")  # no kernel here, or not for this shape
-        return best_time(lambda: cpu_kernels.paged_decode(q, *caches, tables, lens, scale))
+        return best_time(lambda: cpu_attention.paged_decode(q, *caches, tables, lens, scale))
 
     def sdpa(n: int) -> float:
         q, k, v, _, _ = inputs(n)
@@ -144,7 +144,7 @@ def _gather(k_cache, v_cache, block_table: torch.Tensor, length: int):
 def _decode(
     q, k_cache, v_cache, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    out = cpu_kernels.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    out = cpu_attention.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale)
     if out is not None:
         return out
     return decode_reference(q, k_cache, v_cache, block_tables, seq_lens, scale)

@@ -1,84 +1,146 @@
 """Linear layers shaped for tensor parallelism, as in Megatron / vLLM / nano-vllm.
 
 A column-parallel layer shards its output features, a row-parallel layer its input features and
-all-reduces the result; fused projections (QKV, gate+up) keep one weight and load each checkpoint
-tensor into its slice. On one device the shards are the whole tensors.
-
-On a CPU in bf16 the weights can be prepacked once into oneDNN's blocked layout (`prepack`), which
-`F.linear` otherwise redoes on every call: measured on the 2-core reference machine, a decode step's
-matmuls took 20-45 % less time (the LM head half) with bit-identical results.
+all-reduces the result; fused projections (QKV, gate+up) are one layer whose checkpoint tensors each
+load into their part. Weights arrive dense or quantized (`kernels.quantized`); each layer keeps its
+rank's shard of every part until `finalize`, which fuses the parts and packs them once for the
+device's kernels (`kernels.cpu.linear` or `kernels.triton.linear`). Parts of different quantized
+formats (a GGUF file may store V in Q6_K beside Q and K in Q4_K) stay separate matmuls.
 """
 
 from __future__ import annotations
 
-from functools import cache
+from types import ModuleType
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from inference_engine.distributed import all_reduce, tp_rank, tp_size
+from kernels.quantized import Int4Weight, Int8Weight, QuantizedWeight
 
-_PACK_BATCH_HINT = 32  # oneDNN picks its layout for this many rows; measured as good for 1..2048 rows
-
-
-@cache
-def prepacking_works(dtype: torch.dtype) -> bool:
-    """Whether oneDNN's prepacked linear is present and gives F.linear's exact result for `dtype`."""
-    if dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
-        return False
-    try:
-        x, w = torch.randn(5, 64, dtype=dtype), torch.randn(48, 64, dtype=dtype)
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_BATCH_HINT)
-        return torch.equal(packed_linear(x, packed, None), F.linear(x, w))
-    except (AttributeError, RuntimeError):
-        return False
+Weight = torch.Tensor | QuantizedWeight
 
 
-def can_prepack(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and prepacking_works(weight.dtype)
+def linear_kernels(device: torch.device) -> ModuleType:
+    if device.type == "cuda":
+        from kernels.triton import linear
+    else:
+        from kernels.cpu import linear
+    return linear
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
+def fuse(parts: list[Weight]) -> list[Weight]:
+    """Concatenates runs of parts that share a format (rows one after the other)."""
+    runs: list[list[Weight]] = []
+    for part in parts:
+        kind = _kind(part)
+        if runs and _kind(runs[-1][0]) == kind:
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    fused = []
+    for run in runs:
+        if len(run) == 1:
+            fused.append(run[0])
+        elif isinstance(run[0], torch.Tensor):
+            fused.append(torch.cat(run))
+        else:
+            fused.append(type(run[0]).cat(run))
+    return fused
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+def _kind(w: Weight) -> tuple:
+    if isinstance(w, torch.Tensor):
+        return ("dense",)
+    perm = None if w.perm is None else w.perm.data_ptr()
+    return (type(w), w.group_size, perm)
 
 
 class LinearBase(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, shard_ids: list, bias_size: int | None) -> None:
         super().__init__()
-        self.prepacked = False  # once True, `weight` holds oneDNN's blocked layout, not a plain matrix
+        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        self.shard_ids = shard_ids  # the checkpoint tensors that make up the weight, in row order
+        self.parts: dict = {}
+        self.packed: list = []
+        self.device, self.dtype = torch.get_default_device(), torch.get_default_dtype()
+        self.bias = nn.Parameter(torch.empty(bias_size), requires_grad=False) if bias_size else None
 
-    def prepack(self) -> None:
-        """Called once the weights are loaded; a no-op where prepacking is unavailable."""
-        if not self.prepacked and can_prepack(self.weight):
-            self.weight = nn.Parameter(pack_weight(self.weight), requires_grad=False)
-            self.prepacked = True
+    def shard(self, weight: Weight, shard_id) -> Weight:
+        """This rank's slice of one checkpoint tensor."""
+        raise NotImplementedError
+
+    def load_weight(self, weight: Weight, shard_id=None) -> None:
+        if shard_id not in self.shard_ids:
+            raise ValueError(f"unexpected weight part {shard_id!r}")
+        part = self.shard(weight, shard_id)
+        self.parts[shard_id] = _to(part, self.device, self.dtype)
+
+    def finalize(self, quantize_int8: bool = False) -> None:
+        """Packs the loaded parts for the kernels; `quantize_int8` quantizes dense weights first."""
+        missing = [s for s in self.shard_ids if s not in self.parts]
+        if missing:
+            raise ValueError(f"checkpoint is missing weight parts {missing}")
+        parts = [self.parts.pop(s) for s in self.shard_ids]
+        if quantize_int8:
+            parts = [Int8Weight.quantize(p) if isinstance(p, torch.Tensor) else p for p in parts]
+        kernels = linear_kernels(self.device)
+        self.packed = [kernels.pack(w, self.dtype) for w in fuse(parts)]
+        self._kernels = kernels
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(p.nbytes for p in self.packed)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.prepacked:
-            return packed_linear(x, self.weight, bias)
-        return F.linear(x, self.weight, bias)
+        if len(self.packed) == 1:
+            return self._kernels.linear(x, self.packed[0], bias)
+        out = torch.cat([self._kernels.linear(x, p) for p in self.packed], dim=-1)
+        return out + bias if bias is not None else out
+
+
+def _to(weight: Weight, device: torch.device, dtype: torch.dtype) -> Weight:
+    if isinstance(weight, torch.Tensor):
+        return weight.to(device=device, dtype=dtype)
+    if isinstance(weight, Int4Weight):
+        return Int4Weight(
+            weight.q.to(device),
+            weight.scale.to(device),
+            weight.offset.to(device),
+            weight.group_size,
+            None if weight.perm is None else weight.perm.to(device),
+        )
+    return Int8Weight(weight.q.to(device), weight.scale.to(device), weight.group_size)
 
 
 class ColumnParallelLinear(LinearBase):
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
-        super().__init__()
-        self.tp_rank, self.tp_size = tp_rank(), tp_size()
-        assert output_size % self.tp_size == 0
-        self.weight = nn.Parameter(torch.empty(output_size // self.tp_size, input_size), requires_grad=False)
-        self.bias = (
-            nn.Parameter(torch.empty(output_size // self.tp_size), requires_grad=False) if bias else None
-        )
-
-    def weight_loader(
-        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        output_sizes: list[int] | None = None,
+        part_ids: list | None = None,
     ) -> None:
-        shard = param.shape[0]
-        param.data.copy_(loaded.narrow(0, self.tp_rank * shard, shard))
+        super().__init__(part_ids or [None], output_size // tp_size() if bias else None)
+        self.input_size = input_size
+        self.output_sizes = output_sizes or [output_size]
+        assert all(size % self.tp_size == 0 for size in self.output_sizes)
+
+    def part_rows(self, shard_id) -> tuple[int, int]:
+        """(offset in this rank's fused output, rows) of one part."""
+        index = self.shard_ids.index(shard_id)
+        sizes = [s // self.tp_size for s in self.output_sizes]
+        return sum(sizes[:index]), sizes[index]
+
+    def shard(self, weight: Weight, shard_id) -> Weight:
+        _, rows = self.part_rows(shard_id)
+        return weight.narrow(0, self.tp_rank * rows, rows)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        """Loads (this rank's slice of) a bias part."""
+        offset, rows = self.part_rows(shard_id)
+        param.data.narrow(0, offset, rows).copy_(loaded.narrow(0, self.tp_rank * rows, rows))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -88,16 +150,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of the same input in one matmul (gate_proj + up_proj)."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
-        super().__init__(input_size, sum(output_sizes), bias)
-        self.output_sizes = output_sizes
-
-    def weight_loader(
-        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
-    ) -> None:
-        assert isinstance(shard_id, int)
-        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        size = self.output_sizes[shard_id] // self.tp_size
-        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp_rank * size, size))
+        parts = list(range(len(output_sizes)))
+        super().__init__(input_size, sum(output_sizes), bias, output_sizes, parts)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -107,34 +161,23 @@ class QKVParallelLinear(ColumnParallelLinear):
         self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool
     ) -> None:
         size = tp_size()
-        self.num_heads, self.num_kv_heads = num_heads // size, max(1, num_kv_heads // size)
-        self.head_dim = head_dim
-        super().__init__(hidden_size, (num_heads + 2 * self.num_kv_heads * size) * head_dim, bias)
-
-    def weight_loader(
-        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
-    ) -> None:
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
-        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp_rank * size, size))
+        q, kv = num_heads * head_dim, num_kv_heads * head_dim
+        super().__init__(hidden_size, q + 2 * kv, bias, [q, kv, kv], ["q", "k", "v"])
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads // size, num_kv_heads // size, head_dim
 
 
 class RowParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
-        super().__init__()
-        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        super().__init__([None], output_size if bias else None)
         assert input_size % self.tp_size == 0
-        self.weight = nn.Parameter(torch.empty(output_size, input_size // self.tp_size), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
+        self.input_size, self.output_size = input_size, output_size
 
-    def weight_loader(
-        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
-    ) -> None:
-        if param.dim() == 1:  # the bias is added once, after the all-reduce
-            param.data.copy_(loaded)
-            return
-        shard = param.shape[1]
-        param.data.copy_(loaded.narrow(1, self.tp_rank * shard, shard))
+    def shard(self, weight: Weight, shard_id) -> Weight:
+        cols = self.input_size // self.tp_size
+        return weight.narrow(1, self.tp_rank * cols, cols)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        param.data.copy_(loaded)  # the bias is added once, after the all-reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = all_reduce(self.matmul(x, None))

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inference_engine import cpu_kernels
+from kernels.cpu import fused as cpu_fused
 
 
 class RMSNorm(nn.Module):
@@ -19,7 +19,7 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is not None:
-            fused = cpu_kernels.add_rms_norm(x, residual, self.weight, self.eps)
+            fused = cpu_fused.add_rms_norm(x, residual, self.weight, self.eps)
             if fused is not None:
                 return fused
             x = x + residual

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from inference_engine import cpu_kernels
+from kernels.cpu import fused as cpu_fused
 
 
 def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -45,7 +45,7 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x: [tokens, heads, head_dim], queries and keys together. Computed in fp32, as transformers does;
         in place where the native bf16 kernel runs (x is then returned), else into a new tensor."""
-        if cpu_kernels.rotary_(x, positions, self.cos, self.sin):
+        if cpu_fused.rotary_(x, positions, self.cos, self.sin):
             return x
         if positions is not self._positions:
             self._positions = positions

@@ -15,7 +15,13 @@ from torch import nn
 
 from inference_engine.attention import AttentionMetadata
 from inference_engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from inference_engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from inference_engine.layers.linear import (
+    LinearBase,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    Weight,
+)
 from inference_engine.layers.norm import RMSNorm
 from inference_engine.layers.rotary import RotaryEmbedding
 from inference_engine.model_loader import ModelConfig
@@ -119,8 +125,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, backend)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-            self.lm_head.tied = True
+            self.lm_head.tie(self.model.embed_tokens)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -130,7 +135,10 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, Weight]]) -> None:
+        """Loads checkpoint tensors (Hugging Face names; quantized linear weights as `kernels.quantized`
+        forms under `<layer>.weight`). Layers that pack their weights check for missing parts in
+        `finalize`; plain parameters are checked here."""
         params = dict(self.named_parameters())
         loaded = set()
         for name, tensor in weights:
@@ -141,20 +149,34 @@ class LlamaForCausalLM(nn.Module):
                 if f".{ckpt_name}." in name:
                     name, shard_id = name.replace(ckpt_name, ours), shard
                     break
-            if name not in params:
+            module_name, _, attr = name.rpartition(".")
+            try:
+                module = self.get_submodule(module_name)
+            except AttributeError:
                 continue  # e.g. rotary inv_freq buffers saved by some checkpoints
-            param = params[name]
-            module = self.get_submodule(name.rsplit(".", 1)[0])
-            loader = getattr(module, "weight_loader", None)
-            if loader is not None:
-                loader(param, tensor.to(param.dtype), shard_id)
-            else:
-                param.data.copy_(tensor)
-            loaded.add(name)
-        missing = {
-            n
-            for n in params
-            if n not in loaded and not (self.config.tie_word_embeddings and n == "lm_head.weight")
-        }
+            if attr == "weight" and hasattr(module, "load_weight"):
+                module.load_weight(tensor, shard_id)
+            elif name in params:
+                loader = getattr(module, "weight_loader", None)
+                if loader is not None:
+                    loader(params[name], tensor.to(params[name].dtype), shard_id)
+                else:
+                    params[name].data.copy_(tensor)
+                loaded.add(name)
+        missing = set(params) - loaded
         if missing:
             raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]}")
+
+    def finalize(self, quantize_int8: bool = False) -> None:
+        """Packs every weight for the device's kernels once all are loaded (dense linear weights
+        quantized to int8 first with `quantize_int8`; the embedding and head stay as loaded)."""
+        for module in self.modules():
+            if isinstance(module, LinearBase):
+                module.finalize(quantize_int8)
+            elif isinstance(module, VocabParallelEmbedding):
+                module.finalize()
+
+    @property
+    def weight_bytes(self) -> int:
+        packed = sum(m.weight_bytes for m in self.modules() if hasattr(m, "weight_bytes") and m is not self)
+        return packed + sum(p.numel() * p.element_size() for p in self.parameters())

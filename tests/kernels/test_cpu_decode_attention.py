@@ -10,9 +10,10 @@ import sys
 import pytest
 import torch
 
-from inference_engine import cpu_kernels
+import kernels.cpu
 from inference_engine.attention.torch_backend import decode_reference
-from kernels import paged_decode_attention_ref
+from kernels.cpu import attention as cpu_attention
+from kernels.reference import paged_decode_attention_ref
 
 F32, BF16 = torch.float32, torch.bfloat16
 
@@ -25,7 +26,7 @@ def device() -> str:
 
 def test_kernel_builds_here():
     """The suite's machine has a C compiler, so the engine tests run the native kernel, not the fallback."""
-    assert cpu_kernels.available()
+    assert kernels.cpu.available()
 
 
 # (seq_lens, block_size, head_dim, num_heads, num_kv_heads, dtype). Lengths cover 1, exact block ends
@@ -58,7 +59,7 @@ def test_matches_pytorch_decode(
     scale = 1 / math.sqrt(head_dim)
     ref = paged_decode_attention_ref(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, scale)
     # Unowned slots are NaN: a kernel that reads past a sequence's end fails.
-    out = cpu_kernels.paged_decode(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, scale)
+    out = cpu_attention.paged_decode(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, scale)
     assert out is not None
     assert_close(out, ref)
     # The PyTorch path reads the padding of its gathered batch (masked out, but NaN * 0 is NaN): run it
@@ -75,9 +76,9 @@ def test_result_does_not_depend_on_thread_count(paged_kv, rand, threads):
     previous = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = cpu_kernels.paged_decode(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.125)
+        one = cpu_attention.paged_decode(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.125)
         torch.set_num_threads(threads)
-        many = cpu_kernels.paged_decode(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.125)
+        many = cpu_attention.paged_decode(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.125)
     finally:
         torch.set_num_threads(previous)
     assert torch.equal(one, many)
@@ -87,14 +88,14 @@ def test_declines_what_it_cannot_run(paged_kv, rand):
     """fp16 caches and blocks larger than the kernel's fixed limit go to the PyTorch path (None here)."""
     kv = paged_kv([20], 16, 3, 64, torch.float16)
     q = rand(1, 9, 64, dtype=torch.float16)
-    assert cpu_kernels.paged_decode(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.1) is None
+    assert cpu_attention.paged_decode(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.1) is None
     kv = paged_kv([200], 128, 3, 64, BF16)
     q = rand(1, 9, 64, dtype=BF16)
-    assert cpu_kernels.paged_decode(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.1) is None
+    assert cpu_attention.paged_decode(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.1) is None
 
 
 def test_can_be_switched_off():
-    code = "from inference_engine import cpu_kernels; print(cpu_kernels.available())"
+    code = "import kernels.cpu; print(kernels.cpu.available())"
     env = {**os.environ, "LLMSERVE_CPU_KERNELS": "0"}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
@@ -123,11 +124,11 @@ def test_backend_matches_extend_reference(
     decode kernel and longer chunks (or, without the kernel, every chunk) through SDPA, against the
     per-sequence causal reference. The limit is pinned, as either CPU kind measures it."""
     from inference_engine.attention import AttentionMetadata, torch_backend
-    from kernels import paged_extend_attention_ref
+    from kernels.reference import paged_extend_attention_ref
 
     monkeypatch.setattr(torch_backend, "native_query_max", lambda *args: limit)
     if not native:
-        monkeypatch.setattr(cpu_kernels, "paged_decode", lambda *args: None)
+        monkeypatch.setattr(cpu_attention, "paged_decode", lambda *args: None)
     kv = paged_kv(seq_lens, block_size, 3, 64, dtype)
     # The new tokens' K/V are already in the cache here; the backend stores them again (same values).
     starts = [0]
@@ -185,7 +186,7 @@ def test_native_query_max_is_measured_per_shape(monkeypatch):
     measured = torch_backend.native_query_max(9, 3, 64, BF16, 2)
     assert measured in (32, 64, 128, 256, 512, 1024)
     torch_backend.native_query_max.cache_clear()
-    monkeypatch.setattr(cpu_kernels, "paged_decode", lambda *args: None)
+    monkeypatch.setattr(cpu_attention, "paged_decode", lambda *args: None)
     assert torch_backend.native_query_max(9, 3, 64, BF16, 2) == 32  # no kernel: every long chunk to SDPA
     torch_backend.native_query_max.cache_clear()
 
@@ -195,8 +196,8 @@ def test_unwritable_cache_falls_back_to_pytorch(tmp_path):
     blocked = tmp_path / "cache"
     blocked.write_text("a file where the cache folder should be")
     code = (
-        "import torch; from inference_engine import cpu_kernels; x = torch.ones(2, 8, dtype=torch.bfloat16); "
-        "print(cpu_kernels.available(), cpu_kernels.add_rms_norm(x, x, x[0], 1e-5))"
+        "import torch; from kernels.cpu import available, fused; x = torch.ones(2, 8, dtype=torch.bfloat16); "
+        "print(available(), fused.add_rms_norm(x, x, x[0], 1e-5))"
     )
     env = {**os.environ, "XDG_CACHE_HOME": str(blocked)}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)

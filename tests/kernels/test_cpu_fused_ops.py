@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from inference_engine import cpu_kernels
 from inference_engine.layers.rotary import RotaryEmbedding
+from kernels.cpu import fused as cpu_fused
 
 BF16 = torch.bfloat16
 
@@ -14,7 +14,7 @@ def test_add_rms_norm_matches_pytorch(rows, hidden):
     gen = torch.Generator().manual_seed(rows * hidden)
     x, residual = (torch.randn(rows, hidden, generator=gen).to(BF16) * 3 for _ in range(2))
     weight = torch.randn(hidden, generator=gen).to(BF16)
-    out, summed = cpu_kernels.add_rms_norm(x, residual, weight, 1e-5)
+    out, summed = cpu_fused.add_rms_norm(x, residual, weight, 1e-5)
     expected_sum = x + residual
     assert torch.equal(summed, expected_sum)
     # transformers' LlamaRMSNorm: normalise in fp32, round to bf16, then scale by the weight and round
@@ -36,7 +36,7 @@ def test_rotary_matches_pytorch_exactly(monkeypatch, tokens, heads, head_dim):
     # Queries and keys as the model passes them: the leading heads of a wider qkv row.
     qkv = torch.randn(tokens, heads + 4, head_dim, generator=gen).to(BF16)
     with monkeypatch.context() as m:
-        m.setattr(cpu_kernels, "rotary_", lambda *args: False)
+        m.setattr(cpu_fused, "rotary_", lambda *args: False)
         expected = rotary(positions, qkv[:, :heads])
     untouched = qkv[:, heads:].clone()
     out = rotary(positions, qkv[:, :heads])
@@ -47,10 +47,10 @@ def test_rotary_matches_pytorch_exactly(monkeypatch, tokens, heads, head_dim):
 
 def test_declines_what_it_cannot_run():
     x = torch.randn(4, 64)
-    assert cpu_kernels.add_rms_norm(x, x, torch.ones(64), 1e-5) is None  # fp32: PyTorch's path
+    assert cpu_fused.add_rms_norm(x, x, torch.ones(64), 1e-5) is None  # fp32: PyTorch's path
     xb = x.to(BF16)
-    assert cpu_kernels.add_rms_norm(xb.t(), xb.t(), torch.ones(4, dtype=BF16), 1e-5) is None  # strided
+    assert cpu_fused.add_rms_norm(xb.t(), xb.t(), torch.ones(4, dtype=BF16), 1e-5) is None  # strided
     rotary = RotaryEmbedding(64, 128, 10000.0)
-    assert not cpu_kernels.rotary_(x.view(4, 1, 64), torch.arange(4), rotary.cos, rotary.sin)
+    assert not cpu_fused.rotary_(x.view(4, 1, 64), torch.arange(4), rotary.cos, rotary.sin)
     odd_heads = torch.randn(4, 64, 2).to(BF16).transpose(1, 2)  # head_dim not contiguous
-    assert not cpu_kernels.rotary_(odd_heads, torch.arange(4), rotary.cos, rotary.sin)
+    assert not cpu_fused.rotary_(odd_heads, torch.arange(4), rotary.cos, rotary.sin)

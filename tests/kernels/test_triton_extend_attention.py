@@ -8,7 +8,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels import paged_extend_attention, paged_extend_attention_ref
+from kernels.reference import paged_extend_attention_ref
+from kernels.triton import paged_extend_attention
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
@@ -58,7 +59,7 @@ def test_extend_matches_reference(
 
 def test_extend_with_one_token_chunks_equals_decode(paged_kv, rand):
     """q_len = 1 everywhere must give exactly the decode kernel's answer (up to float rounding)."""
-    from kernels import paged_decode_attention
+    from kernels.triton import paged_decode_attention
 
     kv = paged_kv([1, 24, 25], 8, 3, 64, F32)
     q = rand(3, 9, 64, dtype=F32)

@@ -5,7 +5,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels import store_kvcache, store_kvcache_ref
+from kernels.reference import store_kvcache_ref
+from kernels.triton import store_kvcache
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,7 @@
  * once per step. Softmax is online, block by block, so no buffer grows with the context length.
  * Accumulation is in fp32 whatever the cache dtype.
  *
- * Built at run time by inference_engine/cpu_kernels.py with -O3 -march=native, so the plain
+ * Built at run time by kernels/cpu/_build.py with -O3 -march=native, so the plain
  * loops below are vectorised for the machine at hand. Layouts (all contiguous except q's row stride):
  *   q            [batch, heads, head_dim]          row stride q_stride elements
  *   k/v_cache    [num_blocks, block_size, kv_heads, head_dim]

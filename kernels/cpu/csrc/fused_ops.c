@@ -5,7 +5,7 @@
  * ops with one pass (SiLU * up was tried too; PyTorch's vectorised SiLU beat a plain C loop). Results
  * are rounded to bf16 at the same points as the PyTorch ops they replace (only the order of the
  * RMSNorm's sum of squares differs). Built with -O3 -march=native by
- * inference_engine/cpu_kernels.py, so the loops are vectorised for the machine at hand.
+ * kernels/cpu/_build.py, so the loops are vectorised for the machine at hand.
  */
 #include <stdint.h>
 #include <string.h>

@@ -1,0 +1,97 @@
+"""Paged attention and the KV-cache store on the CPU (`csrc/paged_decode.c`, `csrc/kv_store.c`)."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.cpu._build import f32, function, i32, i64, ptr
+
+_DTYPES = {torch.bfloat16: 1, torch.float32: 0}
+
+
+def paged_decode(
+    q: torch.Tensor,  # [batch, heads, head_dim], rows may be strided
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [batch, max_blocks] int32
+    seq_lens: torch.Tensor,  # [batch] int32
+    scale: float,
+) -> torch.Tensor | None:
+    """Attention of one new token per sequence over its paged K/V, or None where this kernel can't run."""
+    fn = function("paged_decode", i32, ptr, i64, ptr, ptr, ptr, i32, ptr, ptr, *[i32] * 6, f32, i32)
+    if (
+        fn is None
+        or q.device.type != "cpu"
+        or q.dtype not in _DTYPES
+        or k_cache.dtype != q.dtype
+        or q.stride(2) != 1
+        or q.stride(1) != q.shape[2]
+        or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+    ):
+        return None
+    block_tables = block_tables.to(torch.int32).contiguous()
+    seq_lens = seq_lens.to(torch.int32).contiguous()
+    batch, heads, head_dim = q.shape
+    out = torch.empty((batch, heads, head_dim), dtype=q.dtype)
+    status = fn(
+        q.data_ptr(),
+        q.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.shape[1],
+        seq_lens.data_ptr(),
+        out.data_ptr(),
+        batch,
+        heads,
+        k_cache.shape[2],
+        head_dim,
+        k_cache.shape[1],
+        _DTYPES[q.dtype],
+        scale,
+        torch.get_num_threads(),
+    )
+    return out if status == 0 else None
+
+
+def store_kv(
+    k: torch.Tensor,  # [tokens, kv_heads, head_dim], rows may be strided
+    v: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,  # [tokens] int64 flat slot of each token
+) -> bool:
+    """Writes each token's K and V row into its cache slot; False where this kernel can't run."""
+    fn = function("store_kv", i32, ptr, i64, ptr, i64, ptr, ptr, ptr, i32, i64, i32)
+    dtype, (kv_heads, head_dim) = k_cache.dtype, k_cache.shape[2:]
+    if (
+        fn is None
+        or not (k.is_cpu and k_cache.is_cpu)
+        or v_cache.shape != k_cache.shape
+        or k.dtype != dtype
+        or v.dtype != dtype
+        or v_cache.dtype != dtype
+        or k.stride()[1:] != (head_dim, 1)
+        or v.stride()[1:] != (head_dim, 1)
+        or k.shape != v.shape
+        or k.shape[1:] != (kv_heads, head_dim)
+        or slots.dtype != torch.int64
+        or not (k_cache.is_contiguous() and v_cache.is_contiguous() and slots.is_contiguous())
+    ):
+        return False
+    size = k.element_size()
+    status = fn(
+        k.data_ptr(),
+        k.stride(0) * size,
+        v.data_ptr(),
+        v.stride(0) * size,
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        slots.data_ptr(),
+        len(slots),
+        k_cache.shape[0] * k_cache.shape[1],
+        k.shape[1] * k.shape[2] * size,
+    )
+    if status != 0:
+        raise IndexError("a KV cache slot is out of range")
+    return True

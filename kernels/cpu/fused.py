@@ -1,0 +1,63 @@
+"""Fused elementwise layers on the CPU, bf16 (`csrc/fused_ops.c`): residual add + RMSNorm, rotary."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.cpu._build import f32, function, i32, i64, ptr
+
+
+def _bf16_rows(*tensors: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" and t.dtype == torch.bfloat16 and t.is_contiguous() for t in tensors)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(weight * rmsnorm(x + residual), x + residual) for bf16 rows, or None where it can't run."""
+    fn = function("add_rms_norm_bf16", None, ptr, ptr, ptr, ptr, ptr, i32, i32, f32, i32)
+    if fn is None or not _bf16_rows(x, residual, weight) or x.shape != residual.shape:
+        return None
+    new_residual, out = torch.empty_like(x), torch.empty_like(x)
+    hidden = x.shape[-1]
+    fn(
+        x.data_ptr(),
+        residual.data_ptr(),
+        new_residual.data_ptr(),
+        weight.data_ptr(),
+        out.data_ptr(),
+        x.numel() // hidden,
+        hidden,
+        eps,
+        torch.get_num_threads(),
+    )
+    return out, new_residual
+
+
+def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Rotates x [tokens, heads, head_dim] (rows may be strided) in place; False where it can't run."""
+    fn = function("rotary_bf16", None, ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32)
+    if (
+        fn is None
+        or x.device.type != "cpu"
+        or x.dtype != torch.bfloat16
+        or x.stride(2) != 1
+        or x.stride(1) != x.shape[2]
+        or positions.dtype != torch.int64
+        or not (positions.is_contiguous() and cos.is_contiguous() and sin.is_contiguous())
+        or cos.dtype != torch.float32
+    ):
+        return False
+    tokens, heads, head_dim = x.shape
+    fn(
+        x.data_ptr(),
+        x.stride(0),
+        positions.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        tokens,
+        heads,
+        head_dim,
+        torch.get_num_threads(),
+    )
+    return True
