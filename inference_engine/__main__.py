@@ -11,6 +11,7 @@ its URL, so the README commands need nothing installed by hand.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import sys
@@ -33,6 +34,10 @@ ENGINE_FLAGS: list[tuple[str, type]] = [
     ("--seed", int),
     ("--max-pending-requests", int),
     ("--attention-backend", str),
+    ("--quantization", str),
+    ("--revision", str),
+    ("--tensor-parallel-size", int),
+    ("--speculative-config", json.loads),  # JSON, as vLLM's flag
 ]
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from typing import Any
 
 from inference_engine.errors import InvalidRequestError
 
@@ -17,6 +19,10 @@ class EngineConfig:
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     attention_backend: str = "auto"  # "auto" | "torch" | "triton"
     quantization: str | None = None  # QUANTIZATION_METHODS; None = what the checkpoint declares
+    revision: str | None = None  # a hub model's branch, tag or commit
+    tensor_parallel_size: int = 1
+    # vLLM's form: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min"/"_max": n}
+    speculative_config: dict | None = None
     max_num_seqs: int = 256
     max_model_len: int | None = None  # None = the model's own context length
     max_num_batched_tokens: int = 2048  # token budget per step; longer prompts are prefilled in chunks
@@ -46,3 +52,18 @@ class EngineConfig:
             raise InvalidRequestError("max_num_seqs must be >= 1 and max_num_batched_tokens >= block_size.")
         if self.swap_space < 0:
             raise InvalidRequestError("swap_space must be non-negative.")
+
+
+def engine_flags(engine_args: dict[str, Any]) -> list[str]:
+    """`serve` flags for EngineConfig options (names with underscores or dashes), as the supervisor and
+    `manage.py llmserve_engine` build command lines: booleans as --x / --no-x, objects as JSON."""
+    flags = []
+    for key, value in engine_args.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, dict):
+            flags += [flag, json.dumps(value)]
+        elif value is not None:
+            flags += [flag, str(value)]
+    return flags

@@ -24,12 +24,15 @@ class ModelConfigAdmin(admin.ModelAdmin):
     search_fields = ("name", "path")
     actions = ("load_models", "unload_models")
     fieldsets = (
-        (None, {"fields": ("name", "enabled", "source", "path")}),
+        (None, {"fields": ("name", "enabled", "source", "path", "revision")}),
         (
             _("Engine"),
             {
                 "fields": (
                     "dtype",
+                    "quantization",
+                    "tensor_parallel_size",
+                    "speculative_config",
                     "max_model_len",
                     "block_size",
                     "max_num_seqs",

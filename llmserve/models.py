@@ -25,6 +25,15 @@ class ModelConfig(models.Model):
         BUNDLED = "bundled", _("bundled default (SmolLM2-135M-Instruct)")
         HF_FOLDER = "hf", _("Hugging Face folder")
         GGUF = "gguf", _("GGUF file")
+        HUB = "hub", _("Hugging Face hub id")
+
+    class Quantization(models.TextChoices):
+        DECLARED = "", _("as the checkpoint declares")
+        AWQ = "awq", "AWQ"
+        GPTQ = "gptq", "GPTQ"
+        GGUF = "gguf", "GGUF"
+        INT8 = "int8", _("int8 (quantized on load)")
+        NONE = "none", _("none (dequantize to dtype)")
 
     class DType(models.TextChoices):
         AUTO = "auto", "auto"
@@ -46,7 +55,30 @@ class ModelConfig(models.Model):
         _("path"),
         max_length=500,
         blank=True,
-        help_text=_("Folder or .gguf file on the engine host; empty for the bundled model."),
+        help_text=_(
+            "Folder or .gguf file on the engine host, or a hub id (org/name); empty for the bundled model."
+        ),
+    )
+    revision = models.CharField(
+        _("revision"), max_length=100, blank=True, help_text=_("Branch, tag or commit of a hub model.")
+    )
+    quantization = models.CharField(
+        _("quantization"), max_length=10, choices=Quantization.choices, default="", blank=True
+    )
+    tensor_parallel_size = models.PositiveSmallIntegerField(
+        _("tensor parallel size"),
+        default=1,
+        validators=[MinValueValidator(1)],
+        help_text=_("Ranks (GPUs, or groups of CPU cores) the model is split across."),
+    )
+    speculative_config = models.JSONField(
+        _("speculative decoding"),
+        null=True,
+        blank=True,
+        help_text=_(
+            'vLLM\'s speculative_config, e.g. {"method": "ngram", "num_speculative_tokens": 4, '
+            '"prompt_lookup_max": 4}; empty = off.'
+        ),
     )
     dtype = models.CharField(_("dtype"), max_length=10, choices=DType.choices, default=DType.AUTO)
     max_model_len = models.PositiveIntegerField(
@@ -100,6 +132,14 @@ class ModelConfig(models.Model):
             args["max_model_len"] = self.max_model_len
         if self.kv_cache_memory_bytes:
             args["kv_cache_memory_bytes"] = self.kv_cache_memory_bytes
+        if self.revision:
+            args["revision"] = self.revision
+        if self.quantization:
+            args["quantization"] = self.quantization
+        if self.tensor_parallel_size != 1:
+            args["tensor_parallel_size"] = self.tensor_parallel_size
+        if self.speculative_config:
+            args["speculative_config"] = self.speculative_config
         return args
 
     def clean(self) -> None:
@@ -109,6 +149,8 @@ class ModelConfig(models.Model):
             raise ValidationError({"path": _("A path is required for this source.")})
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValidationError({"gpu_memory_utilization": _("Must be in (0, 1].")})
+        if self.speculative_config is not None and not isinstance(self.speculative_config, dict):
+            raise ValidationError({"speculative_config": _('A JSON object, e.g. {"method": "ngram"}.')})
 
 
 def hash_key(raw_key: str) -> str:

@@ -22,6 +22,7 @@ from typing import Any
 import redis
 
 from inference_engine.bus import protocol as P
+from inference_engine.config import engine_flags
 
 log = logging.getLogger(__name__)
 
@@ -57,13 +58,7 @@ def serve_command(
     ]
     if model:
         cmd += ["--model", model]
-    for key, value in engine_args.items():
-        flag = "--" + key.replace("_", "-")
-        if isinstance(value, bool):
-            cmd.append(flag if value else "--no-" + flag[2:])
-        elif value is not None:
-            cmd += [flag, str(value)]
-    return cmd + extra
+    return cmd + engine_flags(engine_args) + extra
 
 
 class Supervisor:

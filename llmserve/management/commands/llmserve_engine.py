@@ -13,6 +13,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from inference_engine.config import engine_flags
 from llmserve import conf
 from llmserve.models import ModelConfig
 
@@ -35,13 +36,7 @@ def serve_command(model: ModelConfig, extra: list[str] | None = None) -> list[st
         cmd += ["--model", model.model_path]
     if conf.get("ENGINE_THREADS"):
         cmd += ["--threads", str(conf.get("ENGINE_THREADS"))]
-    for key, value in model.engine_args().items():
-        flag = "--" + key.replace("_", "-")
-        if isinstance(value, bool):
-            cmd.append(flag if value else "--no-" + flag[2:])
-        else:
-            cmd += [flag, str(value)]
-    return cmd + (extra or [])
+    return cmd + engine_flags(model.engine_args()) + (extra or [])
 
 
 class Command(BaseCommand):
