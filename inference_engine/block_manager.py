@@ -61,6 +61,7 @@ class BlockManager:
             shared = seq.block_table[-1]
             self.ref_counts[shared] -= 1
             seq.block_table[-1] = self._take()
+            seq.block_table_version += 1
             copies.append((shared, seq.block_table[-1]))
         total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
         while len(seq.block_table) < total:
@@ -120,6 +121,7 @@ class BlockManager:
                     self.free.move_to_end(block, last=False)
         seq.block_table = []
         seq.block_hashes = []
+        seq.block_table_version += 1
 
     def can_swap_out(self, seq: Sequence) -> bool:
         return len(seq.block_table) <= len(self.free_cpu)
