@@ -21,6 +21,11 @@ class EngineConfig:
     quantization: str | None = None  # QUANTIZATION_METHODS; None = what the checkpoint declares
     revision: str | None = None  # a hub model's branch, tag or commit
     tensor_parallel_size: int = 1
+    # Where the ranks of a tensor-parallel group meet (rank 0's machine); without a port, a free one on
+    # this machine (possible only when every rank runs here).
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    nnodes: int = 1  # machines the ranks are spread over (the others run `python -m inference_engine worker`)
     # vLLM's form: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min"/"_max": n}
     speculative_config: dict | None = None
     max_num_seqs: int = 256
@@ -34,6 +39,10 @@ class EngineConfig:
     seed: int = 0
     max_pending_requests: int = 4096  # admission bound: beyond it add_request raises EngineOverloadedError
     log_stats_interval: float = 10.0  # seconds between stats log lines; 0 disables
+
+    @property
+    def distributed_init_method(self) -> str:
+        return f"tcp://{self.master_addr}:{self.master_port}"
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32):
@@ -50,6 +59,10 @@ class EngineConfig:
             raise InvalidRequestError("gpu_memory_utilization must be in (0, 1].")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < self.block_size:
             raise InvalidRequestError("max_num_seqs must be >= 1 and max_num_batched_tokens >= block_size.")
+        if self.tensor_parallel_size < 1 or self.nnodes < 1 or self.tensor_parallel_size % self.nnodes:
+            raise InvalidRequestError("tensor_parallel_size must be a positive multiple of nnodes.")
+        if self.nnodes > 1 and self.master_port is None:
+            raise InvalidRequestError("ranks on several machines need an agreed master_addr and master_port.")
         if self.swap_space < 0:
             raise InvalidRequestError("swap_space must be non-negative.")
 

@@ -24,6 +24,7 @@ from inference_engine.sampler import Sampler, SampleResult
 from inference_engine.sampling_params import SamplingParams
 from inference_engine.scheduler import Scheduler
 from inference_engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from inference_engine.tp_workers import TPWorkers, check_tensor_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +37,13 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         model_len = loaded.config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or model_len, model_len)
-        self.runner = ModelRunner(config, loaded)
+        check_tensor_parallel(loaded.config, config.tensor_parallel_size)
+        self.workers = TPWorkers(config) if config.tensor_parallel_size > 1 else None
+        try:
+            self.runner = ModelRunner(config, loaded, self.workers)
+        except BaseException:
+            self.shutdown()
+            raise
         self.block_manager = BlockManager(
             self.runner.num_blocks,
             config.block_size,
@@ -61,6 +68,11 @@ class LLMEngine:
             config.block_size,
             self.runner.num_blocks * self.runner.kv_bytes_per_block / 2**20,
         )
+
+    def shutdown(self) -> None:
+        """Stops the other tensor-parallel ranks, if any (they also die with this process)."""
+        if self.workers is not None:
+            self.workers.stop()
 
     # --- requests ---------------------------------------------------------------------------------
 
@@ -138,8 +150,13 @@ class LLMEngine:
             if group is None:
                 continue
             for seq in group.seqs:
-                self.scheduler.remove(seq)
+                self._retire(seq)
                 seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+
+    def _retire(self, seq: Sequence) -> None:
+        """A finished or aborted sequence leaves the scheduler (its KV blocks freed) and the runner."""
+        self.scheduler.remove(seq)
+        self.runner.release(seq)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
@@ -178,7 +195,7 @@ class LLMEngine:
             group.metrics.first_token_time = group.metrics.first_token_time or now
             touched[group.request_id] = group
             if seq.is_finished:
-                self.scheduler.remove(seq)
+                self._retire(seq)
 
         outputs = []
         for group in touched.values():

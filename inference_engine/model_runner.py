@@ -10,11 +10,12 @@ from __future__ import annotations
 import ctypes
 import logging
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from inference_engine.attention import AttentionMetadata, get_backend
+from inference_engine import distributed
+from inference_engine.attention import get_backend
 from inference_engine.attention.torch_backend import native_query_max
 from inference_engine.config import EngineConfig
 from inference_engine.model_loader import LoadedModel
@@ -23,6 +24,8 @@ from inference_engine.outputs import Logprob
 from inference_engine.sampler import top_logprobs
 from inference_engine.scheduler import SchedulerOutput
 from inference_engine.sequence import Sequence
+from inference_engine.step_inputs import PreparedStep, StepInputs
+from inference_engine.tp_workers import TPWorkers
 
 logger = logging.getLogger(__name__)
 
@@ -31,9 +34,12 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def resolve_device(config: EngineConfig) -> torch.device:
-    if config.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(config.device)
+    kind = config.device
+    if kind == "auto":
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    if kind == "cuda" and config.tensor_parallel_size > 1:
+        return torch.device("cuda", distributed.local_rank())
+    return torch.device(kind)
 
 
 def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
@@ -79,6 +85,49 @@ def resolve_attention_backend(config: EngineConfig, device: torch.device) -> str
 
 
 @dataclass
+class StepPlan:
+    """What every rank needs for one step: cache copies, the prepared batch, the prompt-logprob rows."""
+
+    swap_out: list[tuple[int, int]]
+    swap_in: list[tuple[int, int]]
+    block_copies: list[tuple[int, int]]
+    step: PreparedStep
+    prompt_rows: list[int]
+
+    def for_other_ranks(self) -> StepPlan:
+        """A copy to broadcast: tensors cut out of the persistent buffers (a view would pickle the
+        whole buffer), on the host."""
+        step, meta = self.step, self.step.meta
+
+        def cut(t: torch.Tensor) -> torch.Tensor:
+            return t.cpu().clone()
+
+        meta = replace(
+            meta,
+            slot_mapping=cut(meta.slot_mapping),
+            query_start_loc=cut(meta.query_start_loc),
+            seq_lens=cut(meta.seq_lens),
+            block_tables=cut(meta.block_tables),
+        )
+        step = PreparedStep(cut(step.input_ids), cut(step.positions), meta, step.sample_rows, [])
+        return replace(self, step=step)
+
+    def to(self, device: torch.device) -> StepPlan:
+        """This plan with its tensors on `device` (a receiving rank's)."""
+        if device.type == "cpu":
+            return self
+        step, meta = self.step, self.step.meta
+        moved = {
+            f: getattr(meta, f).to(device)
+            for f in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables")
+        }
+        step = PreparedStep(
+            step.input_ids.to(device), step.positions.to(device), replace(meta, **moved), step.sample_rows, []
+        )
+        return replace(self, step=step)
+
+
+@dataclass
 class StepOutput:
     sample_seqs: list[Sequence]  # sequences whose next token must be sampled, in row order
     logits: torch.Tensor  # [len(sample_seqs), vocab], fp32 on the CPU
@@ -86,9 +135,13 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
+    """Owns the model shard and the KV cache of one rank. Rank 0's runner also prepares each step and,
+    with tensor parallelism, hands it to the other ranks (`workers`) before running its own part."""
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel, workers: TPWorkers | None = None) -> None:
         self.config = config
         self.model_config = loaded.config
+        self.workers = workers
         self.device = resolve_device(config)
         self.dtype = resolve_dtype(config, self.device)
         self.attention_backend = resolve_attention_backend(config, self.device)
@@ -101,7 +154,9 @@ class ModelRunner:
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            with torch.device(self.device):
+            size = config.tensor_parallel_size
+            rank = torch.distributed.get_rank() if size > 1 else 0
+            with torch.device(self.device), distributed.building(rank, size):
                 self.model = model_cls(loaded.config, get_backend(self.attention_backend))
         finally:
             torch.set_default_dtype(default_dtype)
@@ -126,6 +181,14 @@ class ModelRunner:
             # Which attention path prompt chunks take is timed now, not in the first long prompt's step.
             attn, threads = self.model.model.layers[0].self_attn, torch.get_num_threads()
             native_query_max(attn.num_heads, attn.num_kv_heads, attn.head_dim, self.dtype, threads)
+        max_blocks = -(-loaded.config.max_position_embeddings // self.block_size)
+        self.inputs = StepInputs(
+            max(config.max_num_batched_tokens, config.max_num_seqs),
+            config.max_num_seqs,
+            min(max_blocks, self.num_blocks),
+            self.block_size,
+            self.device,
+        )
         # Swap space: host memory that holds preempted sequences' KV blocks (pinned for fast copies on CUDA).
         self.num_cpu_blocks = int(config.swap_space * 2**30) // self.kv_bytes_per_block
         self.cpu_kv_cache = torch.zeros(
@@ -157,81 +220,68 @@ class ModelRunner:
             budget = int(total * self.config.gpu_memory_utilization) - (total - free) - activations
         elif budget is None:
             budget = DEFAULT_CPU_KV_BYTES
-        num_blocks = budget // self.kv_bytes_per_block
+        num_blocks = torch.tensor(budget // self.kv_bytes_per_block, device=self.device)
+        if self.config.tensor_parallel_size > 1:  # every rank holds the same blocks: the smallest count wins
+            torch.distributed.all_reduce(num_blocks, op=torch.distributed.ReduceOp.MIN)
+        num_blocks = int(num_blocks)
         if num_blocks < 1:
             raise ValueError(
                 f"the KV cache budget ({budget} bytes) holds no block of {self.kv_bytes_per_block} bytes."
             )
         return int(num_blocks)
 
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepOutput:
+        """Rank 0: runs one scheduled step (on every rank) and returns what the sampler needs."""
+        step = self.inputs.prepare(sched)
+        prompt_rows, prompt_targets = self._prompt_rows(sched, step)
+        plan = StepPlan(sched.swap_out, sched.swap_in, sched.block_copies, step, prompt_rows)
+        if self.workers is not None:
+            self.workers.send(plan.for_other_ranks())
+        logits, prompt_logits = self.run(plan)
+        prompt_logprobs = {}
+        for seq, (lo, hi, first, k) in prompt_targets.items():
+            logprobs = torch.log_softmax(prompt_logits[lo:hi].float(), -1).cpu()
+            prompt_logprobs[seq] = [
+                top_logprobs(logprobs[i], seq.token_ids[first + i + 1], k) for i in range(hi - lo)
+            ]
+        return StepOutput(step.sample_seqs, logits, prompt_logprobs)
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Every rank: the cache copies, the forward pass and the logits of the sampled and prompt rows
+        (fp32, on the host; rank 0 gets them, the others None)."""
         # Swap-outs first: their device blocks may be handed to other sequences in this very step.
         for pairs, src_cache, dst_cache in (
-            (sched.swap_out, self.kv_cache, self.cpu_kv_cache),
-            (sched.swap_in, self.cpu_kv_cache, self.kv_cache),
-            (sched.block_copies, self.kv_cache, self.kv_cache),
+            (plan.swap_out, self.kv_cache, self.cpu_kv_cache),
+            (plan.swap_in, self.cpu_kv_cache, self.kv_cache),
+            (plan.block_copies, self.kv_cache, self.kv_cache),
         ):
             if pairs:
                 src, dst = zip(*pairs, strict=True)
                 dst_cache[:, :, list(dst)] = src_cache[:, :, list(src)].to(dst_cache.device)
-        input_ids, positions, meta, sample_rows, sample_seqs = self._prepare(sched)
-        hidden = self.model(input_ids, positions, meta)
+        step = plan.step
+        hidden = self.model(step.input_ids, step.positions, step.meta)
         # fp32 for the sampler (also where all rows are greedy: argmax over bf16 is 5x slower here).
-        logits = self.model.compute_logits(hidden[sample_rows]).float().cpu()
-        prompt_logprobs = self._prompt_logprobs(sched, hidden, meta)
-        return StepOutput(sample_seqs, logits, prompt_logprobs)
+        logits = self.model.compute_logits(hidden[step.sample_rows])
+        logits = None if logits is None else logits.float().cpu()
+        prompt_logits = self.model.compute_logits(hidden[plan.prompt_rows]) if plan.prompt_rows else None
+        return logits, prompt_logits
 
-    def _prepare(self, sched: SchedulerOutput):
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start_loc, seq_lens, context_lens, sample_rows, sample_seqs = [0], [], [], [], []
-        for seq, n in zip(sched.seqs, sched.num_new_tokens, strict=True):
-            start = seq.num_computed_tokens
-            input_ids += seq.token_ids[start : start + n]
-            positions += range(start, start + n)
-            table = seq.block_table
-            slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
-            query_start_loc.append(query_start_loc[-1] + n)
-            seq_lens.append(start + n)
-            context_lens.append(start)
-            if start + n == len(seq):  # this chunk reaches the newest token: sample the next one
-                sample_rows.append(query_start_loc[-1] - 1)
-                sample_seqs.append(seq)
-        max_blocks = max(len(seq.block_table) for seq in sched.seqs)
-        tables = [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in sched.seqs]
-
-        def tensor(data, dtype=torch.int32):
-            return torch.tensor(data, dtype=dtype, device=self.device)
-
-        meta = AttentionMetadata(
-            slot_mapping=tensor(slots, torch.long),
-            query_start_loc=tensor(query_start_loc),
-            seq_lens=tensor(seq_lens),
-            block_tables=tensor(tables),
-            query_lens=list(sched.num_new_tokens),
-            context_lens=context_lens,
-            max_query_len=max(sched.num_new_tokens),
-            max_seq_len=max(seq_lens),
-        )
-        return tensor(input_ids, torch.long), tensor(positions, torch.long), meta, sample_rows, sample_seqs
-
-    def _prompt_logprobs(self, sched: SchedulerOutput, hidden: torch.Tensor, meta: AttentionMetadata):
-        """Logprob of each prompt token given the ones before it, for requests that asked."""
-        result = {}
+    def _prompt_rows(self, sched: SchedulerOutput, step: PreparedStep):
+        """Rows whose logits score the next prompt token, for requests that asked for prompt logprobs:
+        the rows, and per sequence (first, last + 1 of its rows, its first position, k)."""
+        rows, targets = [], {}
         for b, seq in enumerate(sched.seqs):
             k = seq.params.prompt_logprobs
-            start = meta.context_lens[b]
+            start = step.meta.context_lens[b]
             if k is None or start >= seq.num_prompt_tokens - 1:
                 continue
-            end = min(start + meta.query_lens[b], seq.num_prompt_tokens - 1)
-            row0 = int(meta.query_start_loc[b])
-            logprobs = torch.log_softmax(
-                self.model.compute_logits(hidden[row0 : row0 + end - start]).float(), -1
-            )
-            result[seq] = [
-                top_logprobs(logprobs[i].cpu(), seq.token_ids[start + i + 1], k) for i in range(end - start)
-            ]
-        return result
+            end = min(start + step.meta.query_lens[b], seq.num_prompt_tokens - 1)
+            row0 = int(step.meta.query_start_loc[b])
+            targets[seq] = (len(rows), len(rows) + end - start, start, k)
+            rows += range(row0, row0 + end - start)
+        return rows, targets
+
+    def release(self, seq: Sequence) -> None:
+        """Forgets a finished or aborted sequence."""
+        self.inputs.release(seq)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from inference_engine.distributed import all_reduce, tp_rank, tp_size
+from inference_engine.distributed import all_reduce, gather_to_first, tp_rank, tp_size
 from inference_engine.layers.linear import Weight, _to, linear_kernels
 
 
@@ -52,7 +52,7 @@ class VocabParallelEmbedding(nn.Module):
         local = input_ids - self.start
         mask = (local >= 0) & (local < self.shard)
         y = self.lookup(local.clamp(0, self.shard - 1)) * mask.unsqueeze(-1)
-        return all_reduce(y)
+        return all_reduce(y)  # only this shard's rows are non-zero
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -76,11 +76,11 @@ class ParallelLMHead(VocabParallelEmbedding):
     def weight_bytes(self) -> int:
         return 0 if self.tied_to is not None else self.packed.nbytes
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits of every rank's vocabulary shard, on rank 0 only (None on the others: they never sample)."""
         source = self.tied_to or self
         logits = source.kernels.linear(hidden, source.packed)
         if self.tp_size > 1:
-            gathered = [torch.empty_like(logits) for _ in range(self.tp_size)]
-            torch.distributed.all_gather(gathered, logits)
-            logits = torch.cat(gathered, dim=-1)[:, : self.vocab_size]
+            logits = gather_to_first(logits)
+            return None if logits is None else logits[:, : self.vocab_size]
         return logits

@@ -127,20 +127,20 @@ class ColumnParallelLinear(LinearBase):
         self.output_sizes = output_sizes or [output_size]
         assert all(size % self.tp_size == 0 for size in self.output_sizes)
 
-    def part_rows(self, shard_id) -> tuple[int, int]:
-        """(offset in this rank's fused output, rows) of one part."""
+    def part_slice(self, shard_id) -> tuple[int, int, int]:
+        """(offset in this rank's fused output, first row in the checkpoint tensor, rows) of one part."""
         index = self.shard_ids.index(shard_id)
         sizes = [s // self.tp_size for s in self.output_sizes]
-        return sum(sizes[:index]), sizes[index]
+        return sum(sizes[:index]), self.tp_rank * sizes[index], sizes[index]
 
     def shard(self, weight: Weight, shard_id) -> Weight:
-        _, rows = self.part_rows(shard_id)
-        return weight.narrow(0, self.tp_rank * rows, rows)
+        _, first, rows = self.part_slice(shard_id)
+        return weight.narrow(0, first, rows)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         """Loads (this rank's slice of) a bias part."""
-        offset, rows = self.part_rows(shard_id)
-        param.data.narrow(0, offset, rows).copy_(loaded.narrow(0, self.tp_rank * rows, rows))
+        offset, first, rows = self.part_slice(shard_id)
+        param.data.narrow(0, offset, rows).copy_(loaded.narrow(0, first, rows))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -155,15 +155,32 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """Q, K and V projections in one matmul; each rank holds its share of query and KV heads."""
+    """Q, K and V projections in one matmul; each rank holds its share of query and KV heads. With more
+    ranks than KV heads, each KV head is replicated on the ranks whose query heads read it (as vLLM)."""
 
     def __init__(
         self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool
     ) -> None:
         size = tp_size()
-        q, kv = num_heads * head_dim, num_kv_heads * head_dim
-        super().__init__(hidden_size, q + 2 * kv, bias, [q, kv, kv], ["q", "k", "v"])
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads // size, num_kv_heads // size, head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            num_heads // size,
+            max(1, num_kv_heads // size),
+            head_dim,
+        )
+        # this rank's first KV head in the checkpoint
+        self.kv_head = (
+            tp_rank() * num_kv_heads // size if num_kv_heads < size else tp_rank() * self.num_kv_heads
+        )
+        q, kv = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        super().__init__(
+            hidden_size, (q + 2 * kv) * size, bias, [q * size, kv * size, kv * size], ["q", "k", "v"]
+        )
+
+    def part_slice(self, shard_id) -> tuple[int, int, int]:
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if shard_id == "q":
+            return 0, self.tp_rank * q, q
+        return q + (kv if shard_id == "v" else 0), self.kv_head * self.head_dim, kv
 
 
 class RowParallelLinear(LinearBase):
@@ -180,5 +197,7 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(loaded)  # the bias is added once, after the all-reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(self.matmul(x, None))
+        y = self.matmul(x, None)
+        if self.tp_size > 1:
+            all_reduce(y)
         return y + self.bias if self.bias is not None else y

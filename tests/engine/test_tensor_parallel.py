@@ -1,0 +1,95 @@
+"""Tensor parallelism on this machine's CPU (gloo, one process per rank): fp32 greedy outputs equal the
+unsharded engine's token for token, preemption included, with every rank's blocks freed; bad sizes get a
+clear error; a rank that dies takes the engine down, leaving no process behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from benchmarks.random_llama import write_random_llama
+from inference_engine import LLM
+from inference_engine.errors import InvalidRequestError
+from inference_engine.tp_workers import TensorParallelError
+
+from .conftest import PROMPTS, assert_all_blocks_free, greedy
+
+pytestmark = pytest.mark.timeout(900)
+
+MAX_TOKENS = 16
+NEAR_TIE = 1e-4
+
+
+def _assert_same_greedy(llm: LLM, reference: LLM, prompts: list[str]) -> None:
+    """Token for token, except where the unsharded engine's top-2 logits at the first difference lie
+    within NEAR_TIE (fp32 sums in another order may then pick the other one)."""
+    ours = llm.generate(prompts, greedy(MAX_TOKENS), use_tqdm=False)
+    theirs = reference.generate(prompts, greedy(MAX_TOKENS, logprobs=2), use_tqdm=False)
+    for prompt, a, b in zip(prompts, ours, theirs, strict=True):
+        got, want = a.outputs[0].token_ids, b.outputs[0].token_ids
+        if got == want:
+            continue
+        step = next(i for i, (x, y) in enumerate(zip(got, want, strict=False)) if x != y)
+        top2 = sorted((lp.logprob for lp in b.outputs[0].logprobs[step].values()), reverse=True)[:2]
+        assert top2[0] - top2[1] < NEAR_TIE, (prompt, step, got, want, top2)
+
+
+@pytest.fixture(scope="module")
+def split_model(tmp_path_factory):
+    """8 query heads and 2 KV heads (splits in two), random weights, 4 layers to keep the test quick."""
+    return str(write_random_llama(tmp_path_factory.mktemp("tp-model"), layers=4, seed=3))
+
+
+def test_bundled_model_at_size_three_equals_unsharded(llm):
+    sharded = LLM(dtype="float32", tensor_parallel_size=3, seed=0)
+    try:
+        _assert_same_greedy(sharded, llm, PROMPTS[:8])
+        assert_all_blocks_free(sharded)
+    finally:
+        sharded.engine.shutdown()
+
+
+def test_preemption_under_tensor_parallelism(llm):
+    # Per rank a block holds 2 x 30 layers x 16 tokens x 1 KV head x 64 x 4 bytes; 24 of them cannot hold
+    # 16 sequences of ~60 tokens, so sequences are preempted and recomputed.
+    block = 2 * 30 * 16 * 64 * 4
+    sharded = LLM(dtype="float32", tensor_parallel_size=3, kv_cache_memory_bytes=24 * block)
+    try:
+        assert sharded.engine.block_manager.num_blocks == 24
+        _assert_same_greedy(sharded, llm, PROMPTS)
+        assert sharded.engine.scheduler.num_preemptions > 0
+        assert_all_blocks_free(sharded)
+    finally:
+        sharded.engine.shutdown()
+
+
+def test_size_two_splits_a_model_with_even_heads(split_model):
+    whole = LLM(model=split_model, dtype="float32")
+    sharded = LLM(model=split_model, dtype="float32", tensor_parallel_size=2)
+    try:
+        assert sharded.engine.runner.model.model.layers[0].self_attn.num_kv_heads == 1
+        _assert_same_greedy(sharded, whole, PROMPTS[:6])
+        assert_all_blocks_free(sharded)
+    finally:
+        sharded.engine.shutdown()
+
+
+def test_sizes_that_do_not_divide_the_heads_are_refused():
+    with pytest.raises(InvalidRequestError, match="9 attention heads"):
+        LLM(dtype="float32", tensor_parallel_size=2)
+
+
+def test_a_dead_rank_stops_the_engine(split_model):
+    sharded = LLM(model=split_model, dtype="float32", tensor_parallel_size=2)
+    worker = sharded.engine.workers.processes[0]
+    os.kill(worker.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while sharded.engine.workers.failure is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "died" in sharded.engine.workers.failure
+    with pytest.raises(TensorParallelError):
+        sharded.generate(["Hello"], greedy(4), use_tqdm=False)
+    assert not worker.is_alive()
