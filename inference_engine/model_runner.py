@@ -81,7 +81,7 @@ def resolve_attention_backend(config: EngineConfig, device: torch.device) -> str
 @dataclass
 class StepOutput:
     sample_seqs: list[Sequence]  # sequences whose next token must be sampled, in row order
-    logits: torch.Tensor  # [len(sample_seqs), vocab], fp32 on the CPU
+    logits: torch.Tensor  # [len(sample_seqs), vocab], fp32 on the model's device
     prompt_logprobs: dict[Sequence, list[dict[int, Logprob]]]  # for this step's prompt positions
 
 
@@ -177,8 +177,9 @@ class ModelRunner:
                 dst_cache[:, :, list(dst)] = src_cache[:, :, list(src)].to(dst_cache.device)
         input_ids, positions, meta, sample_rows, sample_seqs = self._prepare(sched)
         hidden = self.model(input_ids, positions, meta)
-        # fp32 for the sampler (also where all rows are greedy: argmax over bf16 is 5x slower here).
-        logits = self.model.compute_logits(hidden[sample_rows]).float().cpu()
+        # fp32 for the sampler (also where all rows are greedy: argmax over bf16 is 5x slower here), on the
+        # model's device: the sampler brings back only token ids.
+        logits = self.model.compute_logits(hidden[sample_rows]).float()
         prompt_logprobs = self._prompt_logprobs(sched, hidden, meta)
         return StepOutput(sample_seqs, logits, prompt_logprobs)
 
