@@ -165,7 +165,8 @@ def sample_rows(logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tenso
 
     Rows without top-k weigh and draw over the whole vocabulary (a sort where they have top-p); top-k rows
     work on their candidates, every token at or above the k-th largest logit, taken in vocabulary order.
-    Row results depend on nothing but the row, whatever the batch.
+    Padding a narrower row's candidates changes none of its sums, so a row's result does not depend on the
+    batch (on the CPU exactly; CUDA kernels may order a reduction differently for other shapes).
     """
     device = logits.device
     tokens = torch.empty(len(logits), dtype=torch.long, device=device)
