@@ -130,7 +130,7 @@ class StepPlan:
 @dataclass
 class StepOutput:
     sample_seqs: list[Sequence]  # sequences whose next token must be sampled, in row order
-    logits: torch.Tensor  # [len(sample_seqs), vocab], fp32 on the CPU
+    logits: torch.Tensor  # [len(sample_seqs), vocab], fp32 on the model's device
     prompt_logprobs: dict[Sequence, list[dict[int, Logprob]]]  # for this step's prompt positions
 
 
@@ -249,7 +249,7 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Every rank: the cache copies, the forward pass and the logits of the sampled and prompt rows
-        (fp32, on the host; rank 0 gets them, the others None)."""
+        (rank 0 gets them, on its device, the others None)."""
         # Swap-outs first: their device blocks may be handed to other sequences in this very step.
         for pairs, src_cache, dst_cache in (
             (plan.swap_out, self.kv_cache, self.cpu_kv_cache),
@@ -261,9 +261,10 @@ class ModelRunner:
                 dst_cache[:, :, list(dst)] = src_cache[:, :, list(src)].to(dst_cache.device)
         step = plan.step
         hidden = self.model(step.input_ids, step.positions, step.meta)
-        # fp32 for the sampler (also where all rows are greedy: argmax over bf16 is 5x slower here).
+        # fp32 for the sampler (also where all rows are greedy: argmax over bf16 is 5x slower here), on the
+        # model's device: the sampler brings back only token ids.
         logits = self.model.compute_logits(hidden[step.sample_rows])
-        logits = None if logits is None else logits.float().cpu()
+        logits = None if logits is None else logits.float()
         prompt_logits = self.model.compute_logits(hidden[plan.prompt_rows]) if plan.prompt_rows else None
         return logits, prompt_logits
 

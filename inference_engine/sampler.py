@@ -1,17 +1,33 @@
-"""Turns each sequence's next-token logits into a token, applying its sampling parameters.
+"""Turns logits into tokens: each sequence's next token, or, verifying a speculative draft, the draft tokens
+it accepts plus one more.
 
-Rows are processed together where they can be; seeded rows draw from their own generator, so a
-seeded request samples the same tokens alone or inside any batch. Logprobs are reported from the
-model's raw distribution, before penalties and temperature, as OpenAI and vLLM do.
+Everything runs batched on the logits' device. A step's sampling parameters become per-row tensors
+(`SamplingMetadata`); logit biases, min_tokens bans and penalties are sparse in-place edits; each sampled row
+keeps the tokens that temperature, top-k, top-p and min-p leave and draws one by inverse CDF from a single
+uniform. On the CPU the native kernel (`kernels/cpu/sampling.py`, which defines the kept set and the draw)
+does the per-row work; on other devices, or where it cannot run, the PyTorch code below does the same.
+Only token ids and requested logprobs come back to the host.
+
+Uniforms are drawn on the CPU: seeded sequences from their own generator, so that a seeded request samples
+the same tokens alone or inside any batch. Logprobs are reported from the model's raw distribution, before
+penalties and temperature, as OpenAI and vLLM do.
+
+Speculative verification (`Sampler.verify`) accepts draft token t at a position with probability p(t) under
+that position's processed distribution and otherwise draws from p without t, renormalised; when every draft
+token is accepted it draws one more from the last position. For a deterministic draft (n-gram proposals)
+that leaves the output distribution exactly that of sampling one token at a time; greedy rows accept the
+longest prefix that equals the argmax and then take the argmax, exactly what greedy decoding gives.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import torch
 
 from inference_engine.outputs import Logprob
+from inference_engine.sampling_metadata import LogitEdits, SamplingMetadata, TokenHistory
 from inference_engine.sequence import Sequence
 from kernels.cpu import sampling as cpu_sampling
 
@@ -31,40 +47,88 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: list[int], seed: int) -> None:
+    def __init__(self, eos_token_ids: list[int], seed: int, use_native: bool = True) -> None:
+        """use_native=False runs the PyTorch path on the CPU too (the path CUDA takes)."""
         self.eos_token_ids = eos_token_ids
         self.generator = torch.Generator().manual_seed(seed)  # for unseeded requests
+        self.use_native = use_native
+        self.history = TokenHistory()
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
-        """logits: [len(seqs), vocab] in fp32, on the CPU; modified in place.
+        """logits: [len(seqs), vocab], fp32 on any device; modified in place."""
+        if len(logits) != len(seqs):
+            raise ValueError(f"{len(logits)} rows of logits for {len(seqs)} sequences")
+        return [results[0] for results in self._sample(logits, seqs, None)]
 
-        Logprobs (a full pass over the vocabulary) are computed only for the rows that asked for them, and
-        a batch of plain greedy rows is one argmax.
+    @torch.inference_mode()
+    def verify(
+        self, logits: torch.Tensor, seqs: list[Sequence], draft_token_ids: Seq[Seq[int]]
+    ) -> list[list[SampleResult]]:
+        """Each sequence's accepted draft tokens plus one more.
+
+        logits: for each sequence in turn, len(draft) + 1 rows: after its last token and after each of its
+        draft tokens (fp32, any device; modified in place). Penalties and min_tokens at row j count the
+        draft's first j tokens as generated.
         """
+        if len(draft_token_ids) != len(seqs):
+            raise ValueError(f"{len(draft_token_ids)} drafts for {len(seqs)} sequences")
+        rows = sum(len(d) + 1 for d in draft_token_ids)
+        if len(logits) != rows:
+            raise ValueError(f"{len(logits)} rows of logits for drafts that need {rows}")
+        return self._sample(logits, seqs, draft_token_ids)
+
+    def _sample(
+        self, logits: torch.Tensor, seqs: list[Sequence], drafts: Seq[Seq[int]] | None
+    ) -> list[list[SampleResult]]:
+        logprobs: dict[int, tuple[float, dict[int, Logprob]]] = {}
         if all(self._plain_greedy(s) for s in seqs):
-            return [SampleResult(token, 0.0, None) for token in argmax(logits).tolist()]
-        wanted = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-        raw_logprobs = torch.log_softmax(logits[wanted], dim=-1) if wanted else None
-        self._apply_logit_bias_and_min_tokens(logits, seqs)
-        self._apply_penalties(logits, seqs)
+            tokens = argmax(logits).tolist()
+            proposed = [t for d in drafts for t in (*d, -1)] if drafts else [-1] * len(tokens)
+            accepted = [t == d for t, d in zip(tokens, proposed, strict=True)]
+        else:
+            logits = logits.float().contiguous()  # no copy when it already is
+            md = SamplingMetadata.build(
+                seqs,
+                drafts,
+                logits.shape[1],
+                self.eos_token_ids,
+                self.generator,
+                self.history,
+                logits.device,
+            )
+            raw = logits[md.logprob_rows] if md.logprob_rows else None  # a copy, before the edits
+            if md.edits is not None:
+                apply_edits(logits, md.edits)
+            token_tensor, accepted_tensor = self._sample_rows(logits, md)
+            if raw is not None:
+                logprobs = _logprobs(raw, token_tensor[md.logprob_rows], md.logprob_rows, md.logprob_ks)
+            tokens, accepted = token_tensor.tolist(), accepted_tensor.tolist()
 
-        tokens = torch.empty(len(seqs), dtype=torch.long)
-        greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
-        if greedy:
-            tokens[greedy] = argmax(logits[greedy])
-        sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
-        if sampled:
-            tokens[sampled] = self._sample(logits[sampled], [seqs[i] for i in sampled])
-
-        results = [SampleResult(token, 0.0, None) for token in tokens.tolist()]
-        for row, i in enumerate(wanted):
-            result = results[i]
-            result.logprob = float(raw_logprobs[row, result.token_id])
-            result.top_logprobs = top_logprobs(raw_logprobs[row], result.token_id, seqs[i].params.logprobs)
+        results, row = [], 0
+        for i in range(len(seqs)):
+            num_rows = len(drafts[i]) + 1 if drafts else 1
+            taken = []
+            for r in range(row, row + num_rows):
+                logprob, top = logprobs.get(r, (0.0, None))
+                taken.append(SampleResult(tokens[r], logprob, top))
+                if not accepted[r]:
+                    break
+            results.append(taken)
+            row += num_rows
         return results
 
-    def _plain_greedy(self, seq: Sequence) -> bool:
+    def _sample_rows(self, logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.use_native:
+            native = cpu_sampling.sample(
+                logits, md.temperature, md.top_k, md.top_p, md.min_p, md.draft, md.uniforms
+            )
+            if native is not None:
+                return native
+        return sample_rows(logits, md)
+
+    @staticmethod
+    def _plain_greedy(seq: Sequence) -> bool:
         """Greedy with nothing that changes the logits first and no logprobs to report."""
         params = seq.params
         return (
@@ -77,82 +141,141 @@ class Sampler:
             and not params.frequency_penalty
         )
 
-    def _apply_logit_bias_and_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        vocab = logits.shape[1]
-        for i, seq in enumerate(seqs):
-            params = seq.params
-            if params.logit_bias:
-                ids = [t for t in params.logit_bias if 0 <= t < vocab]
-                logits[i, ids] += torch.tensor([params.logit_bias[t] for t in ids], dtype=logits.dtype)
-            if seq.num_output_tokens < params.min_tokens:
-                banned = [t for t in (*self.eos_token_ids, *params.stop_token_ids) if 0 <= t < vocab]
-                logits[i, banned] = float("-inf")
 
-    @staticmethod
-    def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        rows = [
-            i
-            for i, s in enumerate(seqs)
-            if s.params.repetition_penalty != 1.0 or s.params.presence_penalty or s.params.frequency_penalty
-        ]
-        for i in rows:
-            params, seq = seqs[i].params, seqs[i]
-            row = logits[i]
-            if params.repetition_penalty != 1.0:
-                seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long)
-                values = row[seen]
-                row[seen] = torch.where(
-                    values > 0, values / params.repetition_penalty, values * params.repetition_penalty
-                )
-            if (params.presence_penalty or params.frequency_penalty) and seq.num_output_tokens:
-                counts = torch.bincount(torch.tensor(seq.output_token_ids), minlength=row.shape[0]).to(
-                    row.dtype
-                )
-                row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(
-                    row.dtype
-                )
-
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        temperature = torch.tensor([s.params.temperature for s in seqs], dtype=logits.dtype).unsqueeze(1)
-        logits = logits / temperature
-        for i, seq in enumerate(seqs):
-            _truncate(logits[i], seq.params.top_k, seq.params.top_p, seq.params.min_p)
-        probs = torch.softmax(logits, dim=-1)
-        # Gumbel-style race: argmax(p / E) with E ~ Exp(1) samples from p; each row owns its noise.
-        noise = torch.empty_like(probs)
-        unseeded = [i for i, s in enumerate(seqs) if s.generator is None]
-        if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1]).exponential_(
-                generator=self.generator
-            )
-        for i, seq in enumerate(seqs):
-            if seq.generator is not None:
-                noise[i].exponential_(generator=seq.generator)
-        return (probs / noise).argmax(dim=-1)
+def apply_edits(logits: torch.Tensor, edits: LogitEdits) -> None:
+    """Logit bias, then the min_tokens ban, then the repetition penalty (prompt and output tokens: positive
+    logits divided by it, negative ones multiplied), then frequency and presence penalties (output tokens)."""
+    flat = logits.view(-1)
+    if edits.bias_index is not None:
+        flat.index_add_(0, edits.bias_index, edits.bias)
+    if edits.ban_index is not None:
+        flat.index_fill_(0, edits.ban_index, float("-inf"))
+    if edits.repetition_index is not None:
+        values = flat[edits.repetition_index]
+        flat[edits.repetition_index] = torch.where(
+            values > 0, values / edits.repetition, values * edits.repetition
+        )
+    if edits.output_index is not None:
+        flat.index_add_(0, edits.output_index, edits.frequency)
+        flat[edits.output_index] = flat[edits.output_index] - edits.presence
 
 
-def _truncate(row: torch.Tensor, top_k: int, top_p: float, min_p: float) -> None:
-    """Masks, in place, the tokens that top-k, top-p (nucleus) and min-p sampling exclude."""
-    if 0 < top_k < row.shape[0]:
-        kth = torch.topk(row, top_k).values[-1]
-        row[row < kth] = float("-inf")
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(row, descending=True)
-        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-        # Drop a token when the tokens ranked above it already reach top_p; the top token always stays.
-        drop = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= top_p
-        row[order[drop]] = float("-inf")
-    if min_p > 0.0:
-        probs = torch.softmax(row, dim=-1)
-        row[probs < min_p * probs.max()] = float("-inf")
+def sample_rows(logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """The PyTorch path: (tokens, accepted) for every row of fp32 logits, as the native kernel defines them.
+
+    Rows without top-k weigh and draw over the whole vocabulary (a sort where they have top-p); top-k rows
+    work on their candidates, every token at or above the k-th largest logit, taken in vocabulary order.
+    Padding a narrower row's candidates changes none of its sums, so a row's result does not depend on the
+    batch (on the CPU exactly; CUDA kernels may order a reduction differently for other shapes).
+    """
+    device = logits.device
+    tokens = torch.empty(len(logits), dtype=torch.long, device=device)
+    accepted = torch.zeros(len(logits), dtype=torch.bool, device=device)
+    if md.greedy_rows:
+        rows = torch.tensor(md.greedy_rows, device=device)
+        chosen = logits[rows].argmax(dim=-1)
+        tokens[rows] = chosen
+        accepted[rows] = chosen == md.draft[rows]
+    for row_list, top_k in ((md.full_rows, False), (md.top_k_rows, True)):
+        if not row_list:
+            continue
+        rows = torch.tensor(row_list, device=device)
+        x, draft, u = logits[rows], md.draft[rows], md.uniforms[rows]
+        inv_t = 1.0 / md.temperature[rows]
+        if top_k:
+            ids, x = _top_k_candidates(x, md.top_k[rows])
+            match = ids == draft[:, None]
+            column = torch.where(match.any(dim=-1), match.int().argmax(dim=-1), -1)
+        else:
+            ids, column = None, draft
+        best = x.max(dim=-1, keepdim=True).values
+        weights = torch.exp((x - best) * inv_t[:, None])
+        cut = torch.maximum(md.min_p[rows], _top_p_cut(weights, md.top_p[rows]))
+        chosen, took_draft = _draw(weights, cut, column, u)
+        broken = ~best.squeeze(1).isfinite()  # all -inf, a +inf or a NaN: the argmax, as the kernel does
+        chosen, took_draft = torch.where(broken, x.argmax(dim=-1), chosen), took_draft & ~broken
+        if ids is not None:
+            chosen = ids.gather(1, chosen[:, None]).squeeze(1)
+        tokens[rows] = torch.where(took_draft, draft, chosen)
+        accepted[rows] = took_draft
+    return tokens, accepted
+
+
+def _top_k_candidates(x: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, logits) of every token at or above each row's k-th largest logit, ids ascending; rows with
+    fewer candidates than the widest are padded with id vocab_size and logit -inf."""
+    vocab = x.shape[1]
+    top = x.topk(int(k.max()), dim=-1)
+    kth = top.values.gather(1, (k.long() - 1)[:, None])
+    count = (x >= kth).sum(dim=-1).clamp(min=k)  # at least k, also where the k-th largest is a NaN
+    width = int(count.max())
+    if width > top.values.shape[1]:  # ties at the k-th largest
+        top = x.topk(width, dim=-1)
+    valid = torch.arange(width, device=x.device) < count[:, None]
+    ids, order = top.indices[:, :width].masked_fill(~valid, vocab).sort(dim=-1)
+    values = top.values[:, :width].gather(1, order).masked_fill(ids == vocab, float("-inf"))
+    return ids, values
+
+
+def _top_p_cut(weights: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Per row, the weight of the last token of the smallest most-likely set whose mass reaches top_p (0
+    where top_p is 1)."""
+    cut = torch.zeros(len(weights), device=weights.device)
+    if not bool((top_p < 1.0).any()):
+        return cut
+    ordered = weights.sort(dim=-1, descending=True).values
+    cumulative = ordered.cumsum(dim=-1, dtype=torch.float64)
+    before = cumulative - ordered
+    keep = (before < top_p[:, None].double() * cumulative[:, -1:]).sum(dim=-1).clamp(min=1)
+    return torch.where(top_p < 1.0, ordered.gather(1, (keep - 1)[:, None]).squeeze(1), cut)
+
+
+def _draw(
+    weights: torch.Tensor, cut: torch.Tensor, draft_column: torch.Tensor, uniforms: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(column drawn, draft accepted) per row: the draft column (-1: none) is accepted with its share of the
+    kept weight (weights >= cut); otherwise a column is drawn by inverse CDF from the kept weights without
+    the draft."""
+    kept = torch.where(weights >= cut[:, None], weights, 0.0)
+    has_draft = draft_column >= 0
+    column = draft_column.clamp(min=0)[:, None]
+    draft_weight = kept.gather(1, column).squeeze(1) * has_draft
+    kept.scatter_(1, column, (kept.gather(1, column).squeeze(1) * ~has_draft)[:, None])
+    cdf = kept.cumsum(dim=-1, dtype=torch.float64)
+    rest = cdf[:, -1]
+    accept = has_draft & ((uniforms[:, 0] * (rest + draft_weight) < draft_weight) | ~(rest > 0))
+    target = torch.minimum(uniforms[:, 1] * rest, torch.nextafter(rest, torch.zeros_like(rest)))
+    drawn = torch.searchsorted(cdf, target[:, None], right=True).squeeze(1).clamp(max=kept.shape[1] - 1)
+    return drawn, accept
+
+
+def _logprobs(
+    raw: torch.Tensor, tokens: torch.Tensor, rows: list[int], ks: list[int]
+) -> dict[int, tuple[float, dict[int, Logprob]]]:
+    """Row -> (logprob of its token, that token and the k most likely ones with their ranks)."""
+    logprobs = torch.log_softmax(raw, dim=-1)
+    chosen = logprobs.gather(1, tokens[:, None])
+    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
+    top_values, top_ids = logprobs.topk(max(ks), dim=-1)
+    result = {}
+    for i, (row, k, token, value) in enumerate(
+        zip(rows, ks, tokens.tolist(), chosen.squeeze(1).tolist(), strict=True)
+    ):
+        top = _ranked(token, value, ranks[i], top_values[i, :k].tolist(), top_ids[i, :k].tolist())
+        result[row] = (value, top)
+    return result
+
+
+def _ranked(token: int, value: float, rank: int, values: list[float], ids: list[int]) -> dict[int, Logprob]:
+    result = {token: Logprob(value, rank=rank)}
+    for r, (v, tid) in enumerate(zip(values, ids, strict=True), start=1):
+        result.setdefault(tid, Logprob(v, rank=r))
+    return result
 
 
 def top_logprobs(logprobs: torch.Tensor, token: int, k: int) -> dict[int, Logprob]:
-    """The chosen token and the k most likely ones, each with its rank (1 = most likely)."""
+    """The chosen token and the k most likely ones, each with its rank (1 = most likely), from one row of
+    logprobs."""
     chosen = float(logprobs[token])
-    result = {token: Logprob(chosen, rank=int((logprobs > chosen).sum()) + 1)}
-    if k:
-        values, ids = torch.topk(logprobs, k)
-        for rank, (value, tid) in enumerate(zip(values.tolist(), ids.tolist(), strict=True), start=1):
-            result.setdefault(tid, Logprob(value, rank=rank))
-    return result
+    values, ids = torch.topk(logprobs, k) if k else (logprobs[:0], logprobs[:0].long())
+    return _ranked(token, chosen, int((logprobs > chosen).sum()) + 1, values.tolist(), ids.tolist())
