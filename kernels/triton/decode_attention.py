@@ -265,7 +265,7 @@ def paged_decode_attention(
         UPCAST=INTERPRET,
         DOT_PRECISION=dot_precision(q.dtype),
         num_warps=4,
-        num_stages=2,
+        num_stages=3,  # K/V loads in flight; with 2, ptxas for sm_90 spills at head_dim 64 (compile_check)
     )
     _decode_merge_kernel[(batch, num_heads)](
         part_max,
