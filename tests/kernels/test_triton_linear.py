@@ -151,6 +151,17 @@ def test_pack_keeps_every_value_and_embedding_reads_rows(gen, device, fmt):
     assert torch.equal(rows, weight.dequantize()[ids].to(BF16))
 
 
+def test_pack_takes_shards_of_a_weight(gen, rand, device):
+    """Tensor-parallel shards and fused parts arrive as narrowed views (strided along the features)."""
+    full = _to(FORMATS["int4-g128"](gen, 64, 512), device)
+    shard = full.narrow(1, 128, 256)
+    packed = pack(shard, BF16)
+
+    assert torch.equal(dequantize_rows(packed, torch.arange(64, device=device)), shard.dequantize())
+    x = rand(3, 256, dtype=BF16)
+    _assert_matmul_close(linear(x, packed), x.float() @ shard.dequantize().T)
+
+
 def test_packed_sizes(gen, device):
     """Q4 with fp16 scales: half a byte per weight plus 4 bytes per group of 32, as in a GGUF Q4_1 block."""
     gguf = pack(_to(int4_weight(gen, 960, 576, 32, gguf=True), device), BF16)
