@@ -45,8 +45,8 @@ if str(REPO_ROOT) not in sys.path:
 from kernels import reference  # noqa: E402
 from kernels import triton as kernels  # noqa: E402
 from kernels.quantized import Int4Weight, Int8Weight, QuantizedWeight  # noqa: E402
+from kernels.triton import choose_num_splits, sm_count  # noqa: E402
 from kernels.triton import linear as quantized_linear  # noqa: E402
-from kernels.triton.decode_attention import choose_num_splits, sm_count  # noqa: E402
 from kernels.triton.extend_attention import extend_grid, extend_tile  # noqa: E402
 
 

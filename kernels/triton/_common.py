@@ -1,5 +1,6 @@
 """Small helpers shared by the Triton kernel launchers."""
 
+import functools
 import math
 import os
 
@@ -11,6 +12,16 @@ import triton
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET") == "1"
 
 LOG2E: float = math.log2(math.e)
+
+DEFAULT_NUM_SMS = 132  # H100/H200, used when no CUDA device can be asked
+
+
+@functools.lru_cache
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device``: launchers size split-K grids to keep every SM busy."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return DEFAULT_NUM_SMS
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -15,19 +15,16 @@ length (never below ``MIN_TOKENS_PER_SPLIT``), and the splits past its end store
 that is what a CUDA graph captured for that batch size needs, since nothing host-side may change per replay.
 """
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, LOG2E, dot_precision, head_block, require_last_dim_contiguous
+from ._common import INTERPRET, LOG2E, dot_precision, head_block, require_last_dim_contiguous, sm_count
 
 BLOCK_N = 64  # tokens gathered per iteration
 MIN_GROUP_ROWS = 16  # tl.dot needs at least 16 rows
 MIN_TOKENS_PER_SPLIT = 128  # a multiple of BLOCK_N; below it a split costs more in merging than it wins
 MAX_SPLITS = 64
-DEFAULT_NUM_SMS = 132  # H100/H200, used when no CUDA device can be asked
 
 
 @triton.jit
@@ -172,20 +169,13 @@ def _decode_merge_kernel(
     )
 
 
-@functools.lru_cache
-def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device`` (the H100/H200 count where it is not a CUDA device)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return DEFAULT_NUM_SMS
-
-
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
     """Enough splits for about two programs per SM, but no split shorter than ``MIN_TOKENS_PER_SPLIT``.
 
     A host-side function of shapes only. For CUDA graphs the engine calls it once per captured batch size
-    with the longest context it serves (``max_model_len``) and passes the result to every replay of that
-    size: shorter sequences then use fewer of the splits, as the kernel decides on the device.
+    with the longest context it serves (``max_model_len``) and ``sm_count(device)``, and passes the result
+    to every replay of that size: shorter sequences then use fewer of the splits, as the kernel decides on
+    the device.
     """
     wanted = triton.cdiv(2 * num_sms, max(1, batch * num_kv_heads))
     by_length = triton.cdiv(max_context, MIN_TOKENS_PER_SPLIT)

@@ -24,7 +24,6 @@ the host from the shapes (`matmul_config`), so it is fixed for a CUDA graph capt
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -34,12 +33,11 @@ import triton.language as tl
 
 from kernels.quantized import QuantizedWeight
 
-from ._common import INTERPRET, dot_precision
+from ._common import INTERPRET, dot_precision, sm_count
 
 CHUNK = 64  # input features per step of the kernel: two halves of 32
 HALF = CHUNK // 2
 MAX_SPLIT_K = 16
-DEFAULT_NUM_SMS = 132  # H100/H200, used when no CUDA device can be asked
 
 
 @dataclass
@@ -276,13 +274,6 @@ def matmul_config(m: int, n: int, k: int, num_sms: int) -> MatmulConfig:
     return MatmulConfig(block_m, block_n, split_k, chunks_per_split, num_warps, num_stages=3)
 
 
-@functools.lru_cache
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return DEFAULT_NUM_SMS
-
-
 def quantized_matmul(
     x: torch.Tensor,
     packed: PackedLinear,
@@ -303,7 +294,7 @@ def quantized_matmul(
         return out
     if x.stride(1) != 1:
         x = x.contiguous()
-    config = config or matmul_config(m, n, k, _num_sms(x.device))
+    config = config or matmul_config(m, n, k, sm_count(x.device))
     partial = config.split_k > 1
     target = torch.empty(config.split_k, m, n, dtype=torch.float32, device=x.device) if partial else out
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n), config.split_k)
