@@ -84,3 +84,35 @@ def paged_extend_attention_ref(
         q_pos = torch.arange(length - (hi - lo), length, device=q.device)
         out[lo:hi] = _attend(q[lo:hi], k, v, scale, q_pos).to(q.dtype)
     return out
+
+
+def add_rms_norm_ref(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Reference for :func:`kernels.triton.fused.add_rms_norm` (and ``rms_norm`` when ``residual`` is None):
+    transformers' ``LlamaRMSNorm`` after the residual add, which rounds the sum and the normalised value to
+    the activation dtype before the weight multiplies it."""
+    h = x if residual is None else (x.float() + residual.float()).to(x.dtype)
+    hf = h.float()
+    normed = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    out = (normed.float() * weight.float()).to(x.dtype)
+    return out if residual is None else (out, h)
+
+
+def rotary_embedding_ref(
+    x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """Reference for :func:`kernels.triton.fused.rotary_embedding_` (returns a new tensor): rotate-half
+    RoPE, ``x * cos + rotate_half(x) * sin`` in fp32 with the caches of ``RotaryEmbedding`` (sin's first
+    half already negated, so rotate_half only swaps the halves)."""
+    xf = x.float()
+    half = x.shape[-1] // 2
+    swapped = torch.cat((xf[..., half:], xf[..., :half]), dim=-1)
+    c, s = cos[positions].float().unsqueeze(1), sin[positions].float().unsqueeze(1)
+    return (xf * c + swapped * s).to(x.dtype)
+
+
+def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """Reference for :func:`kernels.triton.fused.silu_and_mul`: ``silu(gate) * up`` in fp32."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up).to(gate_up.dtype)

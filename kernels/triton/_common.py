@@ -1,9 +1,11 @@
 """Small helpers shared by the Triton kernel launchers."""
 
+import functools
 import math
 import os
 
 import torch
+import triton
 
 # Triton's interpreter computes bf16/fp16 ``tl.dot`` wrongly, so kernels upcast dot operands to fp32 there.
 # Read once at import: the interpreter itself is chosen when triton is imported, so it cannot change later.
@@ -11,10 +13,26 @@ INTERPRET: bool = os.environ.get("TRITON_INTERPRET") == "1"
 
 LOG2E: float = math.log2(math.e)
 
+DEFAULT_NUM_SMS = 132  # H100/H200, used when no CUDA device can be asked
+
+
+@functools.lru_cache
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device``: launchers size split-K grids to keep every SM busy."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return DEFAULT_NUM_SMS
+
 
 def dot_precision(dtype: torch.dtype) -> str:
     """fp32 inputs would silently use TF32 tensor cores on CUDA; ask for IEEE so fp32 means fp32."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def head_block(head_dim: int) -> int:
+    """Columns of a head as a tile: a power of two, and at least 16 because ``tl.dot`` needs K and N >= 16
+    on the GPU (head_dim 8 would not compile; the extra columns are masked to zero)."""
+    return max(16, triton.next_power_of_2(head_dim))
 
 
 def require_last_dim_contiguous(*tensors: torch.Tensor) -> None:

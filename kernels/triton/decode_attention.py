@@ -5,24 +5,26 @@ Decode is bound by reading K/V, so the kernel is shaped around reading each cach
 * one program per (sequence, kv head, split) serves all query heads of that kv head (GQA grouping), the
   group padded to 16 rows so that both products run on tensor cores;
 * each iteration gathers ``BLOCK_N`` tokens through the block table (several pages when pages are small);
-* a long context is cut into ``num_splits`` parts so that a few long sequences still occupy every SM; each
-  part writes its running max, softmax denominator and unnormalised accumulator, and a second small kernel
-  merges the parts.
-"""
+* a long context is cut into up to ``num_splits`` parts so that a few long sequences still occupy every SM;
+  each part writes its running max, softmax denominator and unnormalised accumulator, and a second small
+  kernel merges the parts.
 
-import functools
+``num_splits`` only sizes the grid; each sequence's own split length is decided on the device from its
+length (never below ``MIN_TOKENS_PER_SPLIT``), and the splits past its end store nothing to merge. So one
+``num_splits`` per batch size, chosen once from the longest context the engine allows, serves every step:
+that is what a CUDA graph captured for that batch size needs, since nothing host-side may change per replay.
+"""
 
 import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, LOG2E, dot_precision, require_last_dim_contiguous
+from ._common import INTERPRET, LOG2E, dot_precision, head_block, require_last_dim_contiguous, sm_count
 
 BLOCK_N = 64  # tokens gathered per iteration
 MIN_GROUP_ROWS = 16  # tl.dot needs at least 16 rows
-MIN_TOKENS_PER_SPLIT = 128  # below this a split costs more in merging than it wins in parallelism
+MIN_TOKENS_PER_SPLIT = 128  # a multiple of BLOCK_N; below it a split costs more in merging than it wins
 MAX_SPLITS = 64
-DEFAULT_NUM_SMS = 132  # H100/H200, used when no CUDA device can be asked
 
 
 @triton.jit
@@ -53,6 +55,7 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    MIN_SPLIT: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -61,8 +64,9 @@ def _decode_split_kernel(
     split = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + seq)
-    # Whole BLOCK_N chunks per split, so only a split's last chunk is ragged.
-    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    # Whole BLOCK_N chunks per split, so only a split's last chunk is ragged; a short sequence takes fewer,
+    # longer splits than the grid has (merging costs more than the parallelism wins below the minimum).
+    tokens_per_split = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, MIN_SPLIT)
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seq_len)
 
@@ -154,27 +158,24 @@ def _decode_merge_kernel(
         mask=s_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
-    # Split 0 is never empty (seq_len >= 1), so the global max is finite.
+    # Empty splits (max -inf) weigh zero. All splits are empty only for seq_len 0 (a padding row of a
+    # captured batch): its output is zero rather than NaN.
     m_all = tl.max(m, 0)
-    w = tl.exp2(m - m_all)
-    out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
+    w = tl.exp2(m - tl.where(m_all > float("-inf"), m_all, 0.0))
+    denominator = tl.sum(l * w, 0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(denominator > 0, denominator, 1.0)
     tl.store(
         out_ptr + seq * stride_ob + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask
     )
 
 
-@functools.lru_cache
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return DEFAULT_NUM_SMS
-
-
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
     """Enough splits for about two programs per SM, but no split shorter than ``MIN_TOKENS_PER_SPLIT``.
 
-    ``max_context`` comes from the block table's width, a host-side shape, so choosing needs no device sync
-    (and stays fixed under CUDA graph capture).
+    A host-side function of shapes only. For CUDA graphs the engine calls it once per captured batch size
+    with the longest context it serves (``max_model_len``) and ``sm_count(device)``, and passes the result
+    to every replay of that size: shorter sequences then use fewer of the splits, as the kernel decides on
+    the device.
     """
     wanted = triton.cdiv(2 * num_sms, max(1, batch * num_kv_heads))
     by_length = triton.cdiv(max_context, MIN_TOKENS_PER_SPLIT)
@@ -194,7 +195,10 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged K/V; returns ``[batch, num_heads, head_dim]``.
 
-    ``seq_lens[b]`` counts cached tokens including the current one. ``out`` (optional) receives the result.
+    ``seq_lens[b]`` counts cached tokens including the current one; a row with ``seq_lens[b] == 0`` (batch
+    padding) gets zeros. ``num_splits`` (at least 1) sizes the grid; by default it comes from the block
+    table's width, see `choose_num_splits`. ``out`` (optional) receives the result.
+    Reference: `kernels.reference.paged_decode_attention_ref`.
     """
     batch, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
@@ -209,7 +213,7 @@ def paged_decode_attention(
     require_last_dim_contiguous(out)
     if num_splits is None:
         num_splits = choose_num_splits(
-            batch, num_kv_heads, block_tables.shape[1] * page_size, _num_sms(q.device)
+            batch, num_kv_heads, block_tables.shape[1] * page_size, sm_count(q.device)
         )
     if num_splits < 1:
         raise ValueError(f"num_splits must be at least 1, got {num_splits}")
@@ -218,7 +222,7 @@ def paged_decode_attention(
     part_max = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     part_sum = torch.empty_like(part_max)
     part_acc = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = head_block(head_dim)
 
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q,
@@ -247,10 +251,11 @@ def paged_decode_attention(
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         PAGE_SIZE=page_size,
+        MIN_SPLIT=MIN_TOKENS_PER_SPLIT,
         UPCAST=INTERPRET,
         DOT_PRECISION=dot_precision(q.dtype),
         num_warps=4,
-        num_stages=2,
+        num_stages=3,  # K/V loads in flight; with 2, ptxas for sm_90 spills at head_dim 64 (compile_check)
     )
     _decode_merge_kernel[(batch, num_heads)](
         part_max,

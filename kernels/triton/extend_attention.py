@@ -1,23 +1,31 @@
-"""Causal attention of a chunk of new query tokens over a sequence's paged K/V.
+"""Causal attention of a step's query tokens over their sequences' paged K/V, on one grid for mixed steps.
 
 One kernel covers prefill (no cached prefix), chunked prefill, prefix-cache hits and single-token decode:
 query token ``i`` of a chunk of ``q_len`` tokens sits at position ``seq_len - q_len + i`` and sees cache
 positions ``0..position``. The chunk's own K/V are already in the cache, so the kernel reads only the cache.
 
-A program owns a tile of ``BLOCK_M`` rows for one kv head: ``BLOCK_M // GROUP`` consecutive query tokens
-times the ``GROUP`` query heads that share the kv head (GQA), so each K/V chunk is loaded once for the whole
-group and short chunks (decode, small chunked-prefill steps) still fill the tile. It streams the sequence's
-K/V in ``BLOCK_N`` chunks through the block table, flash-attention style, and stops at the last position any
-of its rows can see.
+A program owns a tile of ``BLOCK_M`` rows for one kv head: ``BLOCK_Q = BLOCK_M // GROUP`` consecutive query
+tokens of one sequence times the ``GROUP`` query heads that share the kv head (GQA), so each K/V chunk is
+loaded once for the whole group. It streams the sequence's K/V in ``BLOCK_N`` chunks through the block
+table, flash-attention style, and stops at the last position any of its rows can see.
+
+The grid is sized by the step's total query tokens plus its sequences, as vLLM's unified attention does,
+rather than by the longest chunk times the batch: sequence ``b`` owns the tiles from
+``query_start_loc[b] // BLOCK_Q + b`` on, which leaves it at least ``ceil(q_len / BLOCK_Q)`` of them, and a
+program finds its sequence by a binary search over ``query_start_loc`` on the device. One 1,793-token chunk
+beside 255 single-token decodes (32 heads, 8 kv heads) thus launches 384 x 8 programs instead of
+113 x 256 x 8, so mixed prefill+decode steps no longer pay for a mostly idle grid; the grid depends only on
+host-side shapes, so building it needs no device sync.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, LOG2E, dot_precision, require_last_dim_contiguous
+from ._common import INTERPRET, LOG2E, dot_precision, head_block, require_last_dim_contiguous
 
-MIN_BLOCK_M = 64  # rows per tile; more when a GQA group is larger
+MIN_BLOCK_M = 16  # tl.dot needs 16 rows
+MAX_BLOCK_M = 64  # rows per tile for long chunks; more when a GQA group is larger
 BLOCK_N = 64
 
 
@@ -31,6 +39,7 @@ def _extend_kernel(
     seq_lens_ptr,
     out_ptr,
     scale_log2e,
+    batch,
     stride_qt,
     stride_qh,
     stride_kb,
@@ -52,14 +61,25 @@ def _extend_kernel(
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    q_block = tl.program_id(0)
-    seq = tl.program_id(1)
-    kv_head = tl.program_id(2)
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+
+    # The sequence of this tile: the last b whose first tile, query_start_loc[b] // BLOCK_Q + b, is <= tile.
+    # First tiles strictly increase with b, so the search is well defined even for empty chunks.
+    lo = tl.full([], 0, tl.int32)
+    hi = lo + batch
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        starts_at_or_before = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= tile
+        lo = tl.where(starts_at_or_before, mid, lo)
+        hi = tl.where(starts_at_or_before, hi, mid)
+    seq = lo
 
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_block = tile - (q_start // BLOCK_Q + seq)
     if q_block * BLOCK_Q >= q_len:
-        return  # the grid is sized for the longest chunk
+        return  # a sequence may own one tile more than its chunk needs
     seq_len = tl.load(seq_lens_ptr + seq)
     prefix_len = seq_len - q_len
 
@@ -120,6 +140,25 @@ def _extend_kernel(
     tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
+def extend_tile(num_heads: int, num_kv_heads: int, max_query_len: int) -> tuple[int, int]:
+    """(rows, query tokens) of a tile: just enough rows for the longest chunk's GQA group, 16 to 64.
+
+    Steps of short chunks (speculative verification, small chunked-prefill pieces) take small tiles and
+    waste fewer rows; long chunks take 64 rows, so that each K/V chunk read serves more queries.
+    """
+    group = num_heads // num_kv_heads
+    smallest = max(MIN_BLOCK_M, triton.next_power_of_2(group))
+    largest = max(MAX_BLOCK_M, smallest)
+    block_m = min(max(smallest, triton.next_power_of_2(group * max(1, max_query_len))), largest)
+    return block_m, block_m // group
+
+
+def extend_grid(num_tokens: int, batch: int, num_kv_heads: int, block_q: int) -> tuple[int, int]:
+    """The launch grid, (query tiles, kv heads): every sequence gets ``query_start_loc[b] // block_q + b``
+    as its first tile, so ``num_tokens // block_q + batch`` tiles cover every chunk of the step."""
+    return num_tokens // block_q + batch, num_kv_heads
+
+
 def paged_extend_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -134,8 +173,11 @@ def paged_extend_attention(
 ) -> torch.Tensor:
     """Causal attention of the concatenated chunks ``q [num_tokens, num_heads, head_dim]`` over the cache.
 
-    ``query_start_loc`` (``[batch+1]``) delimits each sequence's chunk; ``seq_lens[b]`` counts its cached
-    tokens after this chunk was stored. ``out`` (optional) receives the result.
+    ``query_start_loc`` (``[batch+1]``, int32) delimits each sequence's chunk; rows of ``q`` past
+    ``query_start_loc[-1]`` (padding) are left unwritten in ``out``. ``seq_lens[b]`` counts its cached tokens
+    after this chunk was stored. ``max_query_len``, the longest chunk, only picks the tile size (the result
+    does not depend on it). ``out`` (optional) receives the result.
+    Reference: `kernels.reference.paged_extend_attention_ref`.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
@@ -150,11 +192,8 @@ def paged_extend_attention(
         return out
     require_last_dim_contiguous(out)
 
-    group = num_heads // num_kv_heads
-    block_m = max(MIN_BLOCK_M, triton.next_power_of_2(group))
-    block_q = block_m // group  # query tokens per tile
-    grid = (triton.cdiv(max_query_len, block_q), batch, num_kv_heads)
-    _extend_kernel[grid](
+    block_m, block_q = extend_tile(num_heads, num_kv_heads, max_query_len)
+    _extend_kernel[extend_grid(num_tokens, batch, num_kv_heads, block_q)](
         q,
         k_cache,
         v_cache,
@@ -163,6 +202,7 @@ def paged_extend_attention(
         seq_lens,
         out,
         scale * LOG2E,
+        batch,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -174,12 +214,12 @@ def paged_extend_attention(
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
-        GROUP=group,
+        GROUP=num_heads // num_kv_heads,
         BLOCK_M=block_m,
         BLOCK_Q=block_q,
         BLOCK_N=BLOCK_N,
         HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_D=head_block(head_dim),
         PAGE_SIZE=page_size,
         UPCAST=INTERPRET,
         DOT_PRECISION=dot_precision(q.dtype),

@@ -90,3 +90,89 @@ def test_correctness_checks_run_and_pass(bench, device):
         "paged_decode_attention(num_splits=None)",
         "paged_extend_attention",
     }
+
+
+def test_mixed_step_programs_of_the_issue(bench):
+    """One 1,793-token chunk beside 255 decodes on Llama-8B heads: the grid before and after."""
+    counts = bench.mixed_step_programs([1793] + [1] * 255, num_heads=32, num_kv_heads=8)
+    assert counts == {
+        "block_q": 16,
+        "programs": 3_072,
+        "programs_longest_chunk_grid": 231_424,
+        "working_programs": 2_944,
+    }
+
+
+def _time_once(fn) -> float:
+    """Stands in for CUDA events: runs the function once, so the timing code runs on the CPU."""
+    fn()
+    return 0.5
+
+
+def test_timed_parts_run_and_agree_with_references(bench, device):
+    """The mixed-step, fused and quantized-matmul timings at tiny shapes (the interpreter on CPU)."""
+    shape = bench.ModelShape("tiny", num_heads=4, num_kv_heads=2, head_dim=16)
+    mixed = bench.time_mixed_step(
+        shape, chunk=70, decodes=5, decode_context=30, timer=_time_once, device=device
+    )
+    assert mixed["one_grid_ms"] == mixed["extend_plus_decode_ms"] == 0.5
+    assert mixed["programs"] < mixed["programs_longest_chunk_grid"]
+    assert mixed["max_error"] <= bench.TOLERANCE[torch.bfloat16]
+
+    fused = bench.time_fused((64, 4, 2, 16, 96), tokens=3, timer=_time_once, device=device)
+    assert set(fused) == {"tokens"} | {
+        f"{name}_{impl}_ms"
+        for name in ("add_rms_norm", "rotary_embedding_", "silu_and_mul")
+        for impl in ("triton", "torch")
+    }
+
+    row = bench.time_linear("tiny", 128, 96, rows=1, timer=_time_once, copy_gbps=1000.0, device=device)
+    assert set(row["quantized_ms"]) == set(bench.QUANTIZED_FORMATS)
+    assert row["quantized_bytes"]["int4-g128"] < row["quantized_bytes"]["int8"] < row["dense_bytes"]
+    assert row["quantized_bw_share"]["int4-g128"] == pytest.approx(
+        bench.gbps(row["quantized_bytes"]["int4-g128"], 0.5) / 1000.0
+    )
+
+    decode = bench.time_decode(shape, batch=2, context=40, timer=_time_once, copy_gbps=1000.0, device=device)
+    assert decode["bytes"] == bench.decode_bytes(2, 40, 2, 16, 2)
+
+
+def test_layer_checks_run_and_pass(bench, device):
+    result = bench.check_layers(
+        64, 4, 2, 16, 96, tokens=5, linear_shapes=[(128, 96)], linear_rows=[1, 3], device=device
+    )
+    assert result["failed"] == [], result["errors"]
+    assert {"add_rms_norm", "rms_norm", "rotary_embedding_", "silu_and_mul"} <= set(result["errors"])
+    assert sum(name.startswith("linear ") for name in result["errors"]) == len(bench.QUANTIZED_FORMATS) * 2
+
+
+def test_random_quantized_formats(bench, gen):
+    for fmt, bits, group in (("int4-g128", 4, 128), ("int4-g32", 4, 32), ("int8", 8, 256)):
+        weight = bench.random_quantized(fmt, 8, 256, gen, "cpu")
+        assert (weight.bits, weight.group_size, weight.shape) == (bits, group, (8, 256))
+    gguf = bench.random_quantized("int4-g32", 8, 256, gen, "cpu")
+    assert torch.equal(gguf.scale.half().float(), gguf.scale)  # fp16 d, as GGUF stores it
+
+
+def test_linear_table_and_plot(bench, tmp_path):
+    rows = [
+        {
+            "name": name,
+            "in_features": 4096,
+            "out_features": 4096,
+            "rows": m,
+            "dense_ms": 0.02,
+            "quantized_ms": {"int4-g128": 0.01, "int8": 0.04},
+        }
+        for name in ("qkv", "o")
+        for m in (1, 256)
+    ]
+    table = bench.format_linear_table(rows).splitlines()
+    assert len(table) == 1 + len(rows)
+    assert table[0].split()[:4] == ["shape", "rows", "dense", "us"]
+    assert table[1].split()[-2:] == ["2.00", "0.50"]  # dense time over each format's
+
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "linear.png"
+    bench.plot_linear(png, rows)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

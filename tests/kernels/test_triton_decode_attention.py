@@ -28,6 +28,9 @@ CASES = [
     ([600], 16, 64, 3, 1, F32, None, None),
     ([130, 17], 16, 128, 32, 8, BF16, None, None),
     (random.Random(1).choices(range(1, 300), k=16), 16, 128, 9, 3, BF16, 5, None),
+    # A grid of many splits for short sequences, as a CUDA graph captured for the longest context runs it.
+    ([1, 5, 63, 64, 65, 127, 128, 129, 300], 16, 64, 8, 2, F16, 16, None),
+    ([3, 40, 1], 8, 8, 4, 2, BF16, 2, None),  # head_dim 8: tiles padded to the 16 tl.dot needs
 ]
 
 
@@ -71,6 +74,20 @@ def test_decode_accepts_query_view_of_fused_qkv(paged_kv, rand, assert_close):
     out = paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.125, 2)
 
     assert out.shape == q.shape and out.dtype == q.dtype
+    assert_close(
+        out, paged_decode_attention_ref(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.125)
+    )
+
+
+def test_decode_padding_rows_of_length_zero_give_zeros(paged_kv, rand, assert_close):
+    """A batch padded to a captured size carries rows with seq_len 0: zeros, as the reference, not NaN."""
+    kv = paged_kv([20, 7, 1], 8, 2, 64, BF16)
+    kv.seq_lens[1] = 0
+    q = rand(3, 4, 64, dtype=BF16)
+
+    out = paged_decode_attention(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.125, 8)
+
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
     assert_close(
         out, paged_decode_attention_ref(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.125)
     )
