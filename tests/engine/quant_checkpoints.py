@@ -64,6 +64,9 @@ def _cached(name: str, build: Callable[[Path], None]) -> Path:
         return target
     CACHE.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=CACHE))
+    threads = torch.get_num_threads()
+    # One thread: GPTQ's many small matmuls ran 20x slower on two threads beside other busy processes.
+    torch.set_num_threads(1)
     try:
         build(scratch)
         try:
@@ -72,6 +75,7 @@ def _cached(name: str, build: Callable[[Path], None]) -> Path:
             if not target.is_dir():
                 raise
     finally:
+        torch.set_num_threads(threads)
         shutil.rmtree(scratch, ignore_errors=True)
     return target
 
