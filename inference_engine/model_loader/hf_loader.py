@@ -26,9 +26,8 @@ SUPPORTED_ARCHITECTURES = {
 
 def load(folder: Path, quantization: str | None = None) -> LoadedModel:
     raw = json.loads((folder / "config.json").read_text())
-    method = resolve_quantization(
-        quantization, hf_quant.declared_method(raw), f"the checkpoint {folder.name}"
-    )
+    declared = hf_quant.declared_method(raw)
+    method = resolve_quantization(quantization, declared, f"the checkpoint {folder.name}")
     archs = raw.get("architectures") or []
     arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
@@ -61,7 +60,6 @@ def load(folder: Path, quantization: str | None = None) -> LoadedModel:
         attention_bias=raw.get("attention_bias", arch == "qwen2"),
         eos_token_ids=tokenizer.eos_token_ids,
     )
-    declared = hf_quant.declared_method(raw)
     qconfig = (
         hf_quant.QuantConfig(declared, raw["quantization_config"]) if declared in hf_quant.METHODS else None
     )

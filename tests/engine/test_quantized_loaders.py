@@ -158,6 +158,19 @@ def test_gptq_layers_equal_neural_compressor_dequantization(shape, act_order, sy
     assert torch.equal(weight.dequantize(), qc.inc_dequantize(packed, out_features, in_features, 128))
 
 
+def test_gptq_v2_checkpoints_store_zero_points_without_the_minus_one():
+    torch.manual_seed(3)
+    packed = qc.inc_pack(torch.randn(64, 256) * 0.05, 128, sym=True)  # every zero point 8, stored as 7
+    v1 = hf_quant.QuantConfig("gptq", {"bits": 4, "group_size": 128})
+    v2 = hf_quant.QuantConfig("gptq", {"bits": 4, "group_size": 128, "checkpoint_format": "gptq_v2"})
+    assert (v1.zero_offset, v2.zero_offset) == (1, 0)
+    # GPTQModel's v1 -> v2 conversion adds one to every stored nibble; no nibble here is 15, so no carry.
+    packed_v2 = dict(packed, qzeros=packed["qzeros"] + 0x11111111)
+    weight = hf_quant.convert_layer(packed_v2, v2).dequantize()
+    assert torch.equal(weight, hf_quant.convert_layer(packed, v1).dequantize())
+    assert torch.equal(weight, qc.inc_dequantize(packed, 64, 256, 128))
+
+
 def _packed_layers(folder) -> dict[str, dict[str, torch.Tensor]]:
     layers: dict[str, dict[str, torch.Tensor]] = {}
     with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
