@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -127,6 +128,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()
     model = default_model_path()
     requests = mixed_workload(args.requests)
 
@@ -179,6 +181,8 @@ def main() -> None:
         "decode_tokens": args.decode_tokens,
         "workload": f"{len(requests)} requests, {sum(r.is_short for r in requests)} short",
         "engine_load_seconds": load_seconds,
+        # Other processes' load during the run (1, 5, 15-minute averages before and after it).
+        "machine_load_average": {"before": load_before, "after": os.getloadavg()},
         "engine": {
             "decode": _median_run(runs["engine_decode"], "ms_per_token"),
             "workload": _median_run(runs["engine_workload"], "tokens_per_s"),
