@@ -158,7 +158,7 @@ def dense_hf_model(dtype: torch.dtype):
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
-    missing, unexpected = model.load_state_dict(dict(load_model(None).weights), strict=False)
+    missing, unexpected = model.load_state_dict(dict(load_model(None, "none").weights), strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     model.tie_weights()
     return model

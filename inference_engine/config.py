@@ -9,6 +9,7 @@ from typing import Any
 from inference_engine.errors import InvalidRequestError
 
 QUANTIZATION_METHODS = ("awq", "gptq", "gguf", "int8", "none")
+CHECKPOINT_METHODS = ("awq", "gptq", "gguf")  # what a checkpoint itself can declare
 
 
 @dataclass
@@ -80,3 +81,33 @@ def engine_flags(engine_args: dict[str, Any]) -> list[str]:
         elif value is not None:
             flags += [flag, str(value)]
     return flags
+
+
+def resolve_quantization(requested: str | None, declared: str | None, checkpoint: str) -> str:
+    """The quantization a model loads with: `requested` (EngineConfig.quantization) against what the
+    checkpoint `declared` ("awq" | "gptq" | "gguf", None for a dense one), as vLLM resolves it.
+
+    None takes the declared method ("none" for a dense checkpoint). "none" loads any checkpoint dense
+    (quantized weights dequantized); "int8" quantizes a dense or GGUF checkpoint's linear weights on
+    load. A method the checkpoint is not stored in is an error: the engine does not convert between them.
+    """
+    if declared not in (None, *CHECKPOINT_METHODS):
+        raise InvalidRequestError(
+            f"{checkpoint} is quantized with {declared!r}, which this engine cannot load "
+            f"(supported: {', '.join(CHECKPOINT_METHODS)} checkpoints, or dense ones)."
+        )
+    if requested is None:
+        return declared or "none"
+    if requested == "none" or requested == declared:
+        return requested
+    if requested == "int8" and declared in (None, "gguf"):
+        return requested
+    if declared is None:
+        raise InvalidRequestError(
+            f"quantization {requested!r} needs a checkpoint stored in that format, but {checkpoint} is not "
+            f"quantized; load it as it is, or with quantization 'int8' to quantize it on load."
+        )
+    raise InvalidRequestError(
+        f"quantization {requested!r} does not match {checkpoint}, which is stored as {declared!r}: "
+        f"use {declared!r} (or leave quantization unset), or 'none' to load it dequantized."
+    )

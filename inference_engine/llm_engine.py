@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        loaded = load_model(config.model)
+        loaded = load_model(config.model, config.quantization)
         self.model_name = config.served_model_name or loaded.name
         self.tokenizer = loaded.tokenizer
         model_len = loaded.config.max_position_embeddings

@@ -119,7 +119,7 @@ QuantizedWeight = Int4Weight | Int8Weight
 
 def _check_group_split(weight: QuantizedWeight, start: int, length: int) -> None:
     g = weight.group_size
-    if weight.perm is not None:
+    if weight.perm is not None and (start, length) != (0, weight.shape[1]):
         raise ValueError("an act-order (GPTQ desc_act) weight cannot be split along its input features.")
     if start % g or length % g:
         raise ValueError(

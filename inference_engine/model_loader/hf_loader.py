@@ -1,4 +1,8 @@
-"""Hugging Face folders: config.json, *.safetensors and tokenizer.json (+ tokenizer_config.json)."""
+"""Hugging Face folders: config.json, *.safetensors and tokenizer.json (+ tokenizer_config.json).
+
+A folder whose config.json declares an AWQ or GPTQ `quantization_config` has its packed linear layers
+converted to `Int4Weight` by `hf_quant`, one layer at a time.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +10,13 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-import torch
 from safetensors import safe_open
 
-from inference_engine.model_loader import LoadedModel, ModelConfig
+from inference_engine.config import resolve_quantization
+from inference_engine.model_loader import LoadedModel, ModelConfig, Weight, hf_quant
 from inference_engine.tokenizer import load_hf_tokenizer
 
+_PACKED_PARTS = ("qweight", "qzeros", "scales", "g_idx")
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
@@ -19,8 +24,10 @@ SUPPORTED_ARCHITECTURES = {
 }
 
 
-def load(folder: Path) -> LoadedModel:
+def load(folder: Path, quantization: str | None = None) -> LoadedModel:
     raw = json.loads((folder / "config.json").read_text())
+    declared = hf_quant.declared_method(raw)
+    method = resolve_quantization(quantization, declared, f"the checkpoint {folder.name}")
     archs = raw.get("architectures") or []
     arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
@@ -53,14 +60,38 @@ def load(folder: Path) -> LoadedModel:
         attention_bias=raw.get("attention_bias", arch == "qwen2"),
         eos_token_ids=tokenizer.eos_token_ids,
     )
-    return LoadedModel(name=folder.name, config=config, tokenizer=tokenizer, weights=_weights(folder))
+    qconfig = (
+        hf_quant.QuantConfig(declared, raw["quantization_config"]) if declared in hf_quant.METHODS else None
+    )
+    weights = _weights(folder, qconfig, dequantize=method == "none")
+    return LoadedModel(
+        name=folder.name, config=config, tokenizer=tokenizer, weights=weights, quantization=method
+    )
 
 
-def _weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _weights(
+    folder: Path, qconfig: hf_quant.QuantConfig | None, dequantize: bool
+) -> Iterator[tuple[str, Weight]]:
+    """Checkpoint tensors by name; a quantized layer's packed tensors (`<prefix>.qweight` and the rest)
+    come out as one `<prefix>.weight`, whichever safetensors files hold them."""
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {folder}.")
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
-                yield name, f.get_tensor(name)
+    handles = [safe_open(str(file), framework="pt") for file in files]
+    where = {name: f for f in handles for name in f.keys()}  # noqa: SIM118 - safe_open is not a dict
+    layers = sorted({name.rpartition(".")[0] for name in where if name.endswith(".qweight")})
+    if layers and qconfig is None:
+        raise ValueError(
+            f"{folder.name} holds packed weights (qweight) but config.json has no quantization_config."
+        )
+    packed = {f"{layer}.{part}" for layer in layers for part in _PACKED_PARTS}
+    for name, f in where.items():
+        if name not in packed:
+            yield name, f.get_tensor(name)
+    for layer in layers:
+        names = {part: f"{layer}.{part}" for part in _PACKED_PARTS if f"{layer}.{part}" in where}
+        missing = {"qzeros", "scales"} - set(names)
+        if missing:
+            raise ValueError(f"{folder.name}: the packed layer {layer} lacks {sorted(missing)}.")
+        weight = hf_quant.convert_layer({p: where[n].get_tensor(n) for p, n in names.items()}, qconfig)
+        yield f"{layer}.weight", weight.dequantize() if dequantize else weight

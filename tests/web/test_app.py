@@ -123,6 +123,41 @@ def test_engine_command_line_from_model_config() -> None:
         assert part in joined
 
 
+@pytest.mark.django_db
+def test_quantization_chosen_in_the_admin_reaches_the_serve_command_line(admin_client) -> None:
+    from io import StringIO
+
+    from inference_engine.__main__ import build_parser
+
+    form = {
+        "name": "smol-awq",
+        "enabled": "on",
+        "source": "hf",
+        "path": "/models/smol-awq",
+        "revision": "",
+        "dtype": "bfloat16",
+        "quantization": "awq",
+        "tensor_parallel_size": "1",
+        "speculative_config": "null",
+        "max_model_len": "",
+        "block_size": "16",
+        "max_num_seqs": "64",
+        "kv_cache_memory_bytes": "",
+        "gpu_memory_utilization": "0.9",
+        "enable_prefix_caching": "on",
+    }
+    response = admin_client.post(reverse("admin:llmserve_modelconfig_add"), form)
+    assert response.status_code == 302, response.content.decode()[:2000]
+    assert ModelConfig.objects.get(name="smol-awq").quantization == "awq"
+    out = StringIO()
+    with override_settings(LLMSERVE={"REDIS_URL": "redis://127.0.0.1:7000/0"}):
+        call_command("llmserve_engine", "smol-awq", "--print", stdout=out)
+    cmd = out.getvalue().split()
+    assert "--quantization awq" in " ".join(cmd)
+    args = build_parser().parse_args(cmd[cmd.index("serve") :])
+    assert (args.model, args.quantization) == ("/models/smol-awq", "awq")
+
+
 def test_settings_accessor_follows_override_settings() -> None:
     assert conf.get("OPEN_ACCESS") is False
     with override_settings(LLMSERVE={"OPEN_ACCESS": True, "MAX_QUEUE": 3}):
