@@ -17,7 +17,7 @@ from inference_engine.errors import InvalidRequestError
 
 from .conftest import PROMPTS, assert_all_blocks_free, greedy
 
-MAX_TOKENS = 16
+MAX_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
