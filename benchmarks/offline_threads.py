@@ -1,6 +1,6 @@
 """Offline generation from threads: the seeds' task-queue example (001, section 7.2) against one call.
 
-    .venv/bin/python -m benchmarks.offline_threads [--dtype bfloat16] [--threads 2] [--max-tokens 64]
+    .venv/bin/python -m benchmarks.offline_threads [--dtype bfloat16] [--threads 2] [--max-tokens 32]
 
 The same 8 prompts, each generating the same number of tokens (ignore_eos), run as
 - one `llm.generate(prompts)` call (the batch the engine is built for);
@@ -8,13 +8,16 @@ The same 8 prompts, each generating the same number of tokens (ignore_eos), run 
 - the task queue of the seeds: 16 prompts through a ThreadPoolExecutor of 2, 4 and 8 workers;
 - one call after another (what the threads would get if calls took turns).
 Every mode takes its turn in each repeat (so a noisy neighbour slows all alike); the median run of each
-is reported, and the ratio of 8 threads to one call. Writes benchmarks/results/offline_threads.{json,png}.
+is reported with its tokens per CPU-second of this process, and the median over repeats of the ratio of
+8 threads to one call (in tokens/s, and in tokens per CPU-second).
+Writes benchmarks/results/offline_threads.{json,png}.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -53,10 +56,16 @@ def one_after_another(llm: LLM, prompts: list[str], params: SamplingParams) -> i
 
 
 def timed(run: Callable[[], int]) -> dict:
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     tokens = run()
-    seconds = time.perf_counter() - start
-    return {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds}
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu
+    return {
+        "seconds": seconds,
+        "tokens": tokens,
+        "tokens_per_s": tokens / seconds,
+        "cpu_seconds": cpu_seconds,
+        "tokens_per_cpu_s": tokens / cpu_seconds,
+    }
 
 
 def plot(result: dict, path: Path) -> None:
@@ -65,16 +74,27 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = list(result["modes"])
-    values = [result["modes"][n]["tokens_per_s"] for n in names]
-    fig, ax = plt.subplots(figsize=(10, 4.5))
-    bars = ax.barh(names[::-1], values[::-1], color="tab:blue")
-    ax.bar_label(bars, fmt="%.0f")
-    ax.set_xlabel("generated tokens/s (median run)")
-    ratio = result["threads_8_vs_one_call"]
-    ax.set_title(
+    names = list(result["modes"])[::-1]
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.5), sharey=True)
+    panels = (
+        ("generated tokens/s (median run)", [result["modes"][n]["tokens_per_s"] for n in names], "%.0f"),
+        (
+            "tokens/s relative to one call in the same repeat (median)",
+            [result["relative"][n] for n in names],
+            "%.2f",
+        ),
+        (
+            "generated tokens per CPU-second (median run)",
+            [result["modes"][n]["tokens_per_cpu_s"] for n in names],
+            "%.0f",
+        ),
+    )
+    for ax, (label, values, fmt) in zip(axes, panels, strict=True):
+        ax.bar_label(ax.barh(names, values, color="tab:blue"), fmt=fmt)
+        ax.set_xlabel(label)
+    fig.suptitle(
         f"{result['max_tokens']} tokens per prompt, {result['dtype']}, {result['threads']} torch threads, "
-        f"median of {result['repeats']} — 8 threads / one call = {ratio:.2f}"
+        f"{result['repeats']} repeats, modes taking turns"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -85,8 +105,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--threads", type=int, default=2, help="torch threads on the CPU")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3, help="runs of each mode, taking turns")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=5, help="runs of each mode, taking turns")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -103,12 +123,26 @@ def main() -> None:
         },
         "8 calls one after another": lambda: one_after_another(llm, PROMPTS, params),
     }
-    runs: dict[str, list[dict]] = {name: [] for name in modes}
-    for _ in range(args.repeats):
-        for name, run in modes.items():
-            runs[name].append(timed(run))
-            print(name, f"{runs[name][-1]['tokens_per_s']:.1f} tokens/s", flush=True)
+    # Each repeat runs every mode once, starting one mode later than the repeat before, so no mode always
+    # follows the same one; ratios to one call are taken within each repeat.
+    names = list(modes)
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    for repeat in range(args.repeats):
+        for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
+            runs[name].append(timed(modes[name]))
+            run = runs[name][-1]
+            rates = f"{run['tokens_per_s']:.1f} tokens/s, {run['tokens_per_cpu_s']:.1f} per CPU-s"
+            print(f"{name}: {rates}", flush=True)
     median = {name: sorted(r, key=lambda x: x["tokens_per_s"])[len(r) // 2] for name, r in runs.items()}
+    one = runs["one call, 8 prompts"]
+    relative = {  # each mode's tokens/s over one call's in the same repeat: the machine's noise cancels
+        name: statistics.median(
+            r["tokens_per_s"] / o["tokens_per_s"] for r, o in zip(runs[name], one, strict=True)
+        )
+        for name in names
+    }
+    threads = runs["8 threads, 1 prompt each"]
+    cpu_ratios = [t["tokens_per_cpu_s"] / o["tokens_per_cpu_s"] for t, o in zip(threads, one, strict=True)]
     result = {
         "dtype": args.dtype,
         "device": str(llm.llm_engine.runner.device),
@@ -116,8 +150,12 @@ def main() -> None:
         "max_tokens": args.max_tokens,
         "repeats": args.repeats,
         "modes": median,
-        "threads_8_vs_one_call": median["8 threads, 1 prompt each"]["tokens_per_s"]
-        / median["one call, 8 prompts"]["tokens_per_s"],
+        "relative": relative,
+        "threads_8_vs_one_call": relative["8 threads, 1 prompt each"],
+        "threads_8_vs_one_call_per_repeat": [
+            t["tokens_per_s"] / o["tokens_per_s"] for t, o in zip(threads, one, strict=True)
+        ],
+        "threads_8_vs_one_call_per_cpu_s": statistics.median(cpu_ratios),
         "all_runs": runs,
     }
     args.out.mkdir(parents=True, exist_ok=True)

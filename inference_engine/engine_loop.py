@@ -100,36 +100,36 @@ class EngineLoop:
 
     def _run(self) -> None:
         while True:
-            with self._lock:
-                commands, self._commands = self._commands, deque()
-                if not commands and not self._sinks:
-                    self._thread = None
-                    return
-            for command in commands:
-                command()
-            if self._sinks:
-                self._step()
-
-    def _step(self) -> None:
-        try:
-            outputs = self.engine.step()
-        except Exception as exc:
-            logger.exception("engine step failed; failing the %d requests in flight", len(self._sinks))
-            failed = dict(self._sinks)
-            self._sinks.clear()
             try:
-                self.engine.abort_request(failed)
-            finally:
+                if not self._iterate():
+                    return
+            except Exception as exc:  # the engine failed mid-step: fail every call in flight, keep serving
+                logger.exception("engine step failed; failing the %d requests in flight", len(self._sinks))
+                failed, self._sinks = self._sinks, {}
+                try:
+                    self.engine.abort_request(list(failed))
+                except Exception:
+                    logger.exception("could not abort the failed requests")
                 for sink in failed.values():
                     self._deliver(sink, exc)
-            return
-        for output in outputs:
-            sink = self._sinks.get(output.request_id)
-            if sink is None:
-                continue  # added to the engine directly, not through this loop
-            if output.finished:
-                del self._sinks[output.request_id]
-            self._deliver(sink, output)
+
+    def _iterate(self) -> bool:
+        with self._lock:
+            commands, self._commands = self._commands, deque()
+            if not commands and not self._sinks:
+                self._thread = None
+                return False
+        for command in commands:
+            command()
+        if self._sinks:
+            for output in self.engine.step():
+                sink = self._sinks.get(output.request_id)
+                if sink is None:
+                    continue  # added to the engine directly, not through this loop
+                if output.finished:
+                    del self._sinks[output.request_id]
+                self._deliver(sink, output)
+        return True
 
     def _drop(self, request_ids: list[str], owner: Sink | None) -> None:
         ids = [rid for rid in request_ids if rid in self._sinks and owner in (None, self._sinks[rid])]

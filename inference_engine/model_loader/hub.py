@@ -53,7 +53,7 @@ def resolve_model(
         raise FileNotFoundError(
             f"model {model!r} is neither a .gguf file nor a Hugging Face folder with config.json ({path})."
         )
-    repo_id, quant = split_quant(model)
+    repo_id, quant = _split_quant(model)
     try:
         if gguf_file or quant:
             filename = gguf_file or _gguf_for_quant(repo_id, quant, revision, download_dir)
@@ -92,7 +92,7 @@ def resolve_tokenizer(
     return path
 
 
-def split_quant(model: str) -> tuple[str, str | None]:
+def _split_quant(model: str) -> tuple[str, str | None]:
     """vLLM's `org/name:QUANT` form -> ("org/name", "QUANT"); any other name -> (name, None)."""
     match = _QUANT_SUFFIX.match(model)
     return (match["repo"], match["quant"]) if match else (model, None)
@@ -117,9 +117,9 @@ def _gguf_for_quant(repo_id: str, quant: str, revision: str | None, download_dir
     matches = _matching(files, quant)
     if len(matches) != 1:
         ggufs = [f for f in files if f.endswith(".gguf")] or ["none"]
-        raise EntryNotFoundError(
-            f"{'several' if matches else 'no'} GGUF files of {repo_id!r} match {quant!r} "
-            f"(its GGUF files: {', '.join(ggufs)}); name one with gguf_file=..."
+        raise FileNotFoundError(
+            f"model {repo_id}:{quant}: {'several' if matches else 'no'} GGUF files of {repo_id!r} match "
+            f"{quant!r} (its GGUF files: {', '.join(ggufs)}); name one with gguf_file=..."
         )
     return matches[0]
 
