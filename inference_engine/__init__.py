@@ -1,8 +1,10 @@
 """The llmserve inference engine: paged KV cache, continuous batching, an offline API shaped like vLLM's.
 
-`LLM` and `LLMEngine` import torch, so they load lazily: the web tier imports `SamplingParams` and the
-bus client from this package without pulling torch in.
+`LLM`, `AsyncLLM` and `LLMEngine` import torch, so they load lazily: the web tier imports `SamplingParams`
+and the bus client from this package without pulling torch in.
 """
+
+from importlib import import_module
 
 from inference_engine.config import EngineConfig
 from inference_engine.outputs import CompletionOutput, Logprob, RequestOutput
@@ -10,6 +12,8 @@ from inference_engine.sampling_params import SamplingParams
 
 __all__ = [
     "LLM",
+    "AsyncLLM",
+    "AsyncLLMEngine",
     "CompletionOutput",
     "EngineConfig",
     "LLMEngine",
@@ -18,14 +22,15 @@ __all__ = [
     "SamplingParams",
 ]
 
+_LAZY = {
+    "LLM": "inference_engine.llm",
+    "AsyncLLM": "inference_engine.async_llm",
+    "AsyncLLMEngine": "inference_engine.async_llm",
+    "LLMEngine": "inference_engine.llm_engine",
+}
+
 
 def __getattr__(name: str):
-    if name == "LLM":
-        from inference_engine.llm import LLM
-
-        return LLM
-    if name == "LLMEngine":
-        from inference_engine.llm_engine import LLMEngine
-
-        return LLMEngine
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'inference_engine' has no attribute {name!r}")

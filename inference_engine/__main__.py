@@ -36,6 +36,10 @@ ENGINE_FLAGS: list[tuple[str, type]] = [
     ("--attention-backend", str),
     ("--quantization", str),
     ("--revision", str),
+    ("--tokenizer", str),
+    ("--tokenizer-revision", str),
+    ("--download-dir", str),
+    ("--gguf-file", str),
     ("--tensor-parallel-size", int),
     ("--speculative-config", json.loads),  # JSON, as vLLM's flag
 ]
@@ -67,7 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="serve one model on the Redis bus")
-    serve.add_argument("--model", help="GGUF file or model folder (default: the bundled SmolLM2-135M)")
+    serve.add_argument(
+        "--model", help="GGUF file, model folder or hub id (org/name, org/name:QUANT); default: bundled"
+    )
     serve.add_argument("--served-model-name", help="name clients use (default: the engine's model name)")
     _add_engine_flags(serve)
     serve.add_argument("--max-inflight", type=int, help="requests taken at once (default: --max-num-seqs)")

@@ -14,8 +14,12 @@ CHECKPOINT_METHODS = ("awq", "gptq", "gguf")  # what a checkpoint itself can dec
 
 @dataclass
 class EngineConfig:
-    model: str | None = None  # a GGUF file or a Hugging Face folder; None = the bundled default
+    model: str | None = None  # a GGUF file, a Hugging Face folder or hub id; None = the bundled default
     served_model_name: str | None = None
+    tokenizer: str | None = None  # a tokenizer folder or hub id; None = the model's own
+    tokenizer_revision: str | None = None
+    download_dir: str | None = None  # the Hugging Face cache for hub models; None = $HF_HOME/hub
+    gguf_file: str | None = None  # a GGUF file inside the model's hub repo or folder
     dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
     device: str = "auto"  # "auto" | "cpu" | "cuda"
     attention_backend: str = "auto"  # "auto" | "torch" | "triton"

@@ -17,7 +17,7 @@ from inference_engine.block_manager import BlockManager
 from inference_engine.config import EngineConfig
 from inference_engine.detokenizer import IncrementalDetokenizer
 from inference_engine.errors import EngineOverloadedError, InvalidRequestError
-from inference_engine.model_loader import load_model
+from inference_engine.model_loader import load_configured_model
 from inference_engine.model_runner import ModelRunner
 from inference_engine.outputs import CompletionOutput, Logprob, RequestOutput
 from inference_engine.sampler import Sampler, SampleResult
@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        loaded = load_model(config.model, config.quantization)
+        loaded = load_configured_model(config)
         self.model_name = config.served_model_name or loaded.name
         self.tokenizer = loaded.tokenizer
         model_len = loaded.config.max_position_embeddings
@@ -143,8 +143,10 @@ class LLMEngine:
         group.seqs.append(seq)
         return seq
 
-    def abort_request(self, request_id: str | Iterable[str]) -> None:
-        """Drops requests at once and frees their KV blocks; unknown ids are ignored."""
+    def abort_request(self, request_id: str | Iterable[str]) -> list[RequestOutput]:
+        """Drops requests at once and frees their KV blocks; unknown ids are ignored. Returns the final
+        outputs (finish_reason "abort") of the requests it dropped."""
+        outputs = []
         for rid in [request_id] if isinstance(request_id, str) else request_id:
             group = self.groups.pop(rid, None)
             if group is None:
@@ -152,6 +154,11 @@ class LLMEngine:
             for seq in group.seqs:
                 self._retire(seq)
                 seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+            group.metrics.finished_time = time.time()
+            output = self._request_output(group)
+            output.finished = True  # also before a prompt forks into its n samples
+            outputs.append(output)
+        return outputs
 
     def _retire(self, seq: Sequence) -> None:
         """A finished or aborted sequence leaves the scheduler (its KV blocks freed) and the runner."""

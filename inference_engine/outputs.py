@@ -26,8 +26,7 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop string or stop token that ended it
 
-    @property
-    def finished(self) -> bool:
+    def finished(self) -> bool:  # a method, as vLLM's
         return self.finish_reason is not None
 
 

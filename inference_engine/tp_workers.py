@@ -85,11 +85,11 @@ def init_rank(config: EngineConfig, rank: int) -> None:
 def run_worker(config: EngineConfig, rank: int) -> None:
     """A rank other than 0: builds its model shard, then runs every step rank 0 broadcasts until told to
     stop."""
-    from inference_engine.model_loader import load_model
+    from inference_engine.model_loader import load_configured_model
     from inference_engine.model_runner import ModelRunner  # imports this module
 
     init_rank(config, rank)
-    runner = ModelRunner(config, load_model(config.model))
+    runner = ModelRunner(config, load_configured_model(config))
     try:
         while True:
             message = [None]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 import secrets
 from typing import Any
 
@@ -12,6 +13,8 @@ from django.utils import timezone
 from django.utils.translation import gettext_lazy as _
 
 KEY_PREFIX = "sk-llm-"
+# What the engine resolves on the hub (inference_engine.model_loader.hub, which needs huggingface_hub).
+HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+(:[A-Za-z0-9][\w.-]*)?$")
 
 
 class ModelConfig(models.Model):
@@ -56,7 +59,8 @@ class ModelConfig(models.Model):
         max_length=500,
         blank=True,
         help_text=_(
-            "Folder or .gguf file on the engine host, or a hub id (org/name); empty for the bundled model."
+            "Folder or .gguf file on the engine host, or a hub id: org/name, or org/name:QUANT for a GGUF "
+            "file in the repo (e.g. :Q4_K_M); empty for the bundled model."
         ),
     )
     revision = models.CharField(
@@ -147,6 +151,10 @@ class ModelConfig(models.Model):
 
         if self.source != self.Source.BUNDLED and not self.path:
             raise ValidationError({"path": _("A path is required for this source.")})
+        if self.source == self.Source.HUB and not HUB_ID.match(self.path):
+            raise ValidationError({"path": _("A hub id is org/name, or org/name:QUANT for a GGUF file.")})
+        if self.revision and self.source != self.Source.HUB:
+            raise ValidationError({"revision": _("Only hub models have revisions.")})
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValidationError({"gpu_memory_utilization": _("Must be in (0, 1].")})
         if self.speculative_config is not None and not isinstance(self.speculative_config, dict):

@@ -1,7 +1,7 @@
 """Loading a model from disk: its architecture config, its weights and its tokenizer.
 
 Two formats: GGUF files (the bundled default model ships as one) and Hugging Face folders
-(config.json + *.safetensors + tokenizer.json).
+(config.json + *.safetensors + tokenizer.json), on disk or named by a Hugging Face hub id (`hub`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from inference_engine.tokenizer import Tokenizer
+from inference_engine.config import EngineConfig
+from inference_engine.tokenizer import Tokenizer, load_hf_tokenizer
 from kernels.quantized import QuantizedWeight
 
 # A checkpoint tensor: dense, or a quantized linear weight in one of the engine's two formats.
@@ -67,21 +68,47 @@ def default_model_path() -> Path:
     return Path(str(dist.locate_file(DEFAULT_MODEL_FILE)))
 
 
-def load_model(model: str | None, quantization: str | None = None) -> LoadedModel:
-    """`quantization` as EngineConfig's: None keeps what the checkpoint declares (quantized weights as
-    `kernels.quantized` forms), "none" gives every weight dense."""
-    from inference_engine.model_loader import gguf_loader, hf_loader
+def load_model(
+    model: str | None,
+    quantization: str | None = None,
+    *,
+    revision: str | None = None,
+    download_dir: str | None = None,
+    gguf_file: str | None = None,
+    tokenizer: str | None = None,
+    tokenizer_revision: str | None = None,
+) -> LoadedModel:
+    """`model`: a GGUF file, a Hugging Face folder or a hub id (see `hub`); None = the bundled default.
+    `quantization` as EngineConfig's: None keeps what the checkpoint declares (quantized weights as
+    `kernels.quantized` forms), "none" gives every weight dense. `tokenizer` (a folder or hub id)
+    replaces the model's own tokenizer, as vLLM's argument does."""
+    from inference_engine.model_loader import gguf_loader, hf_loader, hub
 
-    path = default_model_path() if model is None else Path(model).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        loaded = gguf_loader.load(path, quantization)
-    elif path.is_dir() and (path / "config.json").exists():
-        loaded = hf_loader.load(path, quantization)
+    if model is None:
+        path = default_model_path()
     else:
-        raise FileNotFoundError(
-            f"model {model!r} is neither a .gguf file nor a Hugging Face folder with config.json."
-        )
+        path = hub.resolve_model(model, revision=revision, download_dir=download_dir, gguf_file=gguf_file)
+    loaded = gguf_loader.load(path, quantization) if path.is_file() else hf_loader.load(path, quantization)
     if model is None:
         loaded.name = DEFAULT_MODEL_NAME
+    elif not Path(model).expanduser().exists():  # a hub id names the model, not its snapshot folder
+        loaded.name = model
+    if tokenizer is not None:
+        folder = hub.resolve_tokenizer(tokenizer, revision=tokenizer_revision, download_dir=download_dir)
+        loaded.tokenizer = load_hf_tokenizer(folder, loaded.config.eos_token_ids)
+        loaded.config.eos_token_ids = loaded.tokenizer.eos_token_ids
     logger.info("loading %s (%s) with quantization %s", loaded.name, path, loaded.quantization)
     return loaded
+
+
+def load_configured_model(config: EngineConfig) -> LoadedModel:
+    """The model an engine configuration names, as every tensor-parallel rank loads it."""
+    return load_model(
+        config.model,
+        config.quantization,
+        revision=config.revision,
+        download_dir=config.download_dir,
+        gguf_file=config.gguf_file,
+        tokenizer=config.tokenizer,
+        tokenizer_revision=config.tokenizer_revision,
+    )
