@@ -122,7 +122,7 @@ class Supervisor:
                     )
                     for _, items in reply or ():
                         for entry_id, fields in items:
-                            self._handle(P.decode(fields))
+                            self._handle(P.parse(fields))
                             self.redis.xack(stream, CONTROL_GROUP, entry_id)
                     self._reap()
                     if time.monotonic() >= next_beat:
@@ -144,12 +144,12 @@ class Supervisor:
         args = {**self.default_engine_args, **engine_args}
         return serve_command(self.redis_url, name, model, args, self.prefix, self.serve_extra)
 
-    def _handle(self, message: dict[str, Any]) -> None:
+    def _handle(self, message: P.Message) -> None:
         try:
-            if message["type"] == P.LOAD:
-                self.load(message["name"], message.get("model"), message.get("engine_args") or {})
-            elif message["type"] == P.UNLOAD:
-                self.unload(message["name"])
+            if isinstance(message, P.Load):
+                self.load(message.name, message.model, message.engine_args or {})
+            elif isinstance(message, P.Unload):
+                self.unload(message.name)
             else:
                 log.warning("unknown control message %r", message)
         except Exception:

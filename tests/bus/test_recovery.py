@@ -78,7 +78,7 @@ def test_dead_consumers_entries_are_rerun_or_failed(redis_server, raw_redis, pre
         assert ack["prompt_tokens"] == len(expected.prompt_token_ids)
         stream = [o for o in _outputs(raw_redis, keys, rid) if o.get("replica") == me]
         assert stream[-1]["type"] == P.FINAL
-        deltas = [P.delta_from_message(rid, o) for o in stream if o["type"] != P.ACK]
+        deltas = [P.delta_from_message(rid, P.Message.from_wire(o)) for o in stream if o["type"] != P.ACK]
         token_ids = [t for d in deltas for c in d.outputs for t in c.token_ids]
         text = "".join(c.text for d in deltas for c in d.outputs)
         assert (token_ids, text) == (expected.outputs[0].token_ids, expected.outputs[0].text)
