@@ -11,16 +11,15 @@ django_asgi_app = get_asgi_application()
 
 from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
-from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
 
-from llmserve.routing import websocket_urlpatterns  # noqa: E402
+from llmserve.routing import SameOriginValidator, websocket_urlpatterns  # noqa: E402
 
 application = ProtocolTypeRouter(
     {
         # The standalone project has no web server in front: Django serves the static files itself.
         "http": ASGIStaticFilesHandler(django_asgi_app),
-        # Only pages of our own hosts may open sockets (they carry the visitor's session cookie).
-        "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
+        # Only our own pages may open sockets (they carry the visitor's session cookie).
+        "websocket": SameOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
     }
 )

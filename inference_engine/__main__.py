@@ -19,7 +19,7 @@ import threading
 from typing import Any
 
 from inference_engine.bus import protocol as P
-from inference_engine.bus.redis_server import ensure_redis_url
+from inference_engine.bus.redis_server import RedisServer, ensure_redis_url
 
 ENGINE_FLAGS: list[tuple[str, type]] = [
     ("--max-num-seqs", int),
@@ -81,7 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_flags(supervise)  # defaults for every engine it starts; a load message's engine_args win
     _add_bus_flags(supervise)
 
-    commands.add_parser("redis", help="run a private redis-server until interrupted")
+    redis = commands.add_parser(
+        "redis", help="run a private redis-server until interrupted (or until it dies)"
+    )
+    redis.add_argument("--port", type=int, help="default: a free port")
     return parser
 
 
@@ -131,18 +134,29 @@ def supervise(args: argparse.Namespace) -> None:
     _run_until_signal(supervisor.stop, supervisor.run)
 
 
-def redis_only() -> None:
-    url, _server = ensure_redis_url(None)
-    print(url, flush=True)
+def redis_only(port: int | None) -> int:
+    """Prints the URL, then waits; exits (non-zero) as soon as redis-server dies, reaping it, so that whoever
+    started this command sees the death and can restart it on the same port."""
+    server = RedisServer(port=port).start()
+    print(server.url, flush=True)
     done = threading.Event()
-    _run_until_signal(done.set, lambda: done.wait())
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    try:
+        while not done.wait(0.2):
+            if server.process is None or server.process.poll() is not None:
+                code = server.process.returncode if server.process else None
+                print(f"redis-server exited with {code}", file=sys.stderr, flush=True)
+                return 1
+    finally:
+        server.stop()
+    return 0
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.command == "redis":
-        redis_only()
-        return
+        sys.exit(redis_only(args.port))
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -16,7 +16,9 @@ still arriving: cancelling the task aborts the engine request, which frees its K
 
 Who may chat: an API key (offered as the subprotocol ``llmserve.key.<key>`` — browsers cannot set headers
 on a WebSocket — or an ``Authorization: Bearer`` header), else the session's logged-in user, else anyone
-when ``LLMSERVE["CHAT_LOGIN_REQUIRED"]`` is False. Every chat message counts against the caller's rate limit,
+when ``LLMSERVE["CHAT_LOGIN_REQUIRED"]`` is False. A client that sends no ``Origin`` header is a program, not
+a browser page (`llmserve.routing.SameOriginValidator` checks the header of those that do): it must bring an
+API key. Every chat message counts against the caller's rate limit,
 as every REST request does. The server always answers with the subprotocol ``llmserve.chat``, never echoing
 a key.
 """
@@ -271,6 +273,8 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
         address = (self.scope.get("client") or ["-"])[0]
         if key is not None:
             return await aauthenticate(f"Bearer {key}", address)
+        if b"origin" not in dict(self.scope.get("headers", ())):
+            raise AuthenticationFailed("Programs (clients sending no Origin header) connect with an API key.")
         user = self.scope.get("user")
         if user is not None and user.is_authenticated:
             return Principal(None, f"user:{user.pk}", conf.get("DEFAULT_RATE_LIMIT"))

@@ -20,7 +20,6 @@ import os
 import socket
 import threading
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +27,7 @@ import redis
 
 from inference_engine.bus import protocol as P
 from inference_engine.bus.deltas import DeltaTracker
-from inference_engine.bus.heartbeat import Heartbeat
+from inference_engine.bus.heartbeat import Heartbeat, new_replica_id
 from inference_engine.errors import EngineError, EngineUnavailableError, InvalidRequestError
 from inference_engine.sampling_params import SamplingParams
 
@@ -69,7 +68,7 @@ class EngineServer:
         self.settings = settings or ServeSettings()
         self.model = model_name or engine.model_name
         self.keys = P.Keys(self.settings.prefix)
-        self.replica_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.replica_id = new_replica_id()
         self.redis = redis.Redis.from_url(
             redis_url, decode_responses=True, socket_timeout=10, socket_connect_timeout=5
         )

@@ -3,7 +3,9 @@
 Each model runs as a child `python -m inference_engine serve` process, so a model's crash, memory and
 threads stay its own, and unloading it returns all of its memory. The control stream is read through a
 consumer group, so load/unload messages sent while the supervisor was down are handled when it comes back.
-A child that dies unexpectedly is restarted (it then also takes over its predecessor's pending requests).
+A child that dies unexpectedly is withdrawn from the bus at once (its heartbeat deleted: clients waiting on it
+hear within a poll, not a heartbeat TTL) and restarted, at once the first time and with a growing delay if it
+keeps dying; the new process takes over its predecessor's pending requests.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -22,12 +25,14 @@ from typing import Any
 import redis
 
 from inference_engine.bus import protocol as P
+from inference_engine.bus.heartbeat import withdraw_process
 from inference_engine.config import engine_flags
 
 log = logging.getLogger(__name__)
 
 CONTROL_GROUP = "supervisor"
 MAX_QUICK_RESTARTS = 5  # a child that keeps dying within a minute is given up on
+RESTART_DELAYS = (0.0, 1.0, 2.0, 4.0, 8.0)  # seconds before the 1st, 2nd, ... restart within a minute
 
 
 @dataclass
@@ -37,7 +42,8 @@ class _Child:
     engine_args: dict[str, Any]
     process: subprocess.Popen
     restarts: list[float] = field(default_factory=list)
-    state: str = "running"  # "running" | "failed"
+    state: str = "running"  # "running" | "restarting" (at `restart_at`) | "failed"
+    restart_at: float = 0.0
 
 
 def serve_command(
@@ -117,6 +123,7 @@ class Supervisor:
         try:
             while not self._stopping.is_set():
                 try:
+                    self._reap()
                     reply = self.redis.xreadgroup(
                         CONTROL_GROUP, f"{self.name}-{os.getpid()}", {stream: ">"}, count=16, block=500
                     )
@@ -124,7 +131,6 @@ class Supervisor:
                         for entry_id, fields in items:
                             self._handle(P.parse(fields))
                             self.redis.xack(stream, CONTROL_GROUP, entry_id)
-                    self._reap()
                     if time.monotonic() >= next_beat:
                         next_beat = time.monotonic() + self.heartbeat_interval
                         self._beat()
@@ -158,15 +164,28 @@ class Supervisor:
     def _reap(self) -> None:
         now = time.monotonic()
         for child in self.children.values():
+            if child.state == "restarting" and now >= child.restart_at:
+                child.state = "running"
+                child.process = subprocess.Popen(self._command(child.name, child.model, child.engine_args))
             if child.state != "running" or child.process.poll() is None:
                 continue
+            withdrawn = withdraw_process(
+                self.redis, self.keys, child.name, socket.gethostname(), child.process.pid
+            )
             child.restarts = [t for t in child.restarts if now - t < 60] + [now]
             if len(child.restarts) > MAX_QUICK_RESTARTS:
                 log.error("model %r keeps dying (exit %s); giving up", child.name, child.process.returncode)
                 child.state = "failed"
                 continue
-            log.warning("model %r exited with %s; restarting", child.name, child.process.returncode)
-            child.process = subprocess.Popen(self._command(child.name, child.model, child.engine_args))
+            delay = RESTART_DELAYS[len(child.restarts) - 1]
+            log.warning(
+                "model %r exited with %s (replicas withdrawn: %s); restarting in %gs",
+                child.name,
+                child.process.returncode,
+                withdrawn,
+                delay,
+            )
+            child.state, child.restart_at = "restarting", now + delay
 
     def _beat(self) -> None:
         children = {
