@@ -6,7 +6,9 @@ database, Redis and secret without editing files:
 ``DJANGO_SECRET_KEY``   default: a random key generated once into ``var/secret_key`` (never committed)
 ``DJANGO_DEBUG``        ``1`` for development
 ``DJANGO_ALLOWED_HOSTS`` comma-separated; default: localhost only
-``LLMSERVE_DB_PATH``    SQLite database file (default: ``db.sqlite3`` in the repository)
+``DATABASE_URL``        the database, e.g. ``postgres://user:password@host:5432/llmserve`` (PostgreSQL is the
+                        production choice: several web and Celery processes write at once); unset: SQLite
+``LLMSERVE_DB_PATH``    SQLite database file when ``DATABASE_URL`` is unset (default: ``db.sqlite3`` here)
 ``LLMSERVE_REDIS_URL``  Redis of the request bus (also Celery's broker unless ``CELERY_BROKER_URL`` is set)
 ``LLMSERVE_OPEN_ACCESS`` ``1`` serves the API without API keys
 """
@@ -14,6 +16,8 @@ database, Redis and secret without editing files:
 import os
 import secrets
 from pathlib import Path
+
+import dj_database_url
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -77,14 +81,17 @@ TEMPLATES = [
 
 ASGI_APPLICATION = "hostproject.asgi.application"
 
-DATABASES = {
-    "default": {
-        "ENGINE": "django.db.backends.sqlite3",
-        "NAME": os.environ.get("LLMSERVE_DB_PATH") or BASE_DIR / "db.sqlite3",
-        # Async views and Celery workers write concurrently: wait for the lock instead of failing at once.
-        "OPTIONS": {"timeout": 20},
+if os.environ.get("DATABASE_URL"):
+    DATABASES = {"default": dj_database_url.config(conn_health_checks=True)}
+else:
+    DATABASES = {
+        "default": {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": os.environ.get("LLMSERVE_DB_PATH") or BASE_DIR / "db.sqlite3",
+            # Async views and Celery workers write concurrently: wait for the lock instead of failing at once.
+            "OPTIONS": {"timeout": 20},
+        }
     }
-}
 
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
@@ -108,9 +115,18 @@ LLMSERVE = {
     "OPEN_ACCESS": os.environ.get("LLMSERVE_OPEN_ACCESS", "") == "1",
 }
 
-# One process serves the API in the standalone setup, so a local-memory cache holds rate-limit counters;
-# a multi-process deployment points CACHES (and LLMSERVE["RATE_LIMIT_CACHE"]) at Redis instead.
-CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
+# Rate-limit counters live in the cache: Redis (the bus's), so that every web process counts against one
+# limit. Local memory only without a Redis URL (in-process tests).
+if REDIS_URL:
+    CACHES = {
+        "default": {
+            "BACKEND": "django.core.cache.backends.redis.RedisCache",
+            "LOCATION": REDIS_URL,
+            "KEY_PREFIX": "llmserve-cache",
+        }
+    }
+else:
+    CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
 
 CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
 

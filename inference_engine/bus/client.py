@@ -193,7 +193,7 @@ class _Core:
         members = yield [_cmd("smembers", self.keys.replicas(name)) for name in names]
         replica_ids = [sorted(m) for m in members]
         flat = [self.keys.replica(r) for ids in replica_ids for r in ids]
-        (beats,) = yield [_cmd("mget", flat)] if flat else [[]]
+        beats = (yield [_cmd("mget", flat)])[0] if flat else []
         models, beats = [], iter(beats)
         for name, ids in zip(names, replica_ids, strict=True):
             replicas = [P.ReplicaInfo(r, name, json.loads(b)) for r in ids if (b := next(beats)) is not None]

@@ -215,3 +215,15 @@ def test_async_cancellation_is_never_swallowed(redis_server, prefix, engine, ser
             await client.close()
 
     asyncio.run(main())
+
+
+def test_list_models_skips_models_without_live_replicas(client, raw_redis, prefix):
+    """A model whose replicas all died (heartbeats expired or withdrawn) is listed by nobody, and the others
+    still are."""
+    _fake_heartbeat(raw_redis, prefix, model="alive")
+    keys = P.Keys(prefix)
+    raw_redis.sadd(keys.models, "dead", "gone")
+    raw_redis.sadd(keys.replicas("dead"), "expired-replica")  # its heartbeat key is gone
+    assert [(m.name, [r.replica_id for r in m.replicas]) for m in client.list_models()] == [
+        ("alive", ["ghost"])
+    ]
