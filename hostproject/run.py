@@ -17,7 +17,10 @@ are counted in Redis, so they hold across workers.
 Environment: ``LLMSERVE_REDIS_URL`` uses that Redis instead of a private one; ``DATABASE_URL`` that database
 instead of SQLite; ``LLMSERVE_ADMIN_USER`` / ``LLMSERVE_ADMIN_PASSWORD`` name the admin login created on the
 first run (otherwise ``admin`` and a random password, printed once); ``LLMSERVE_ENGINE_THREADS`` sets the
-engine's torch threads; ``LLMSERVE_WEB_WORKERS`` the web workers. Service logs go to ``var/log/<port>/``
+engine's torch threads, ``LLMSERVE_ENGINE_FLAGS`` more engine flags (e.g. ``--dtype float32 --max-num-seqs
+64``); ``LLMSERVE_ENGINE_SPARE=0`` turns off the engine's standby spare (a second process with the model
+loaded, which takes over at once when the serving one dies, at the cost of the model's memory twice);
+``LLMSERVE_WEB_WORKERS`` sets the web workers. Service logs go to ``var/log/<port>/``
 (appended to, so two stacks of one checkout on two ports keep their own).
 """
 
@@ -29,6 +32,7 @@ import json
 import os
 import resource
 import secrets
+import shlex
 import signal
 import socket
 import subprocess
@@ -239,6 +243,9 @@ def run(host: str, port: int, web_workers: int) -> None:
         engine_cmd += ["--prefix", conf.get("BUS_PREFIX")]
         if env.get("LLMSERVE_ENGINE_THREADS"):
             engine_cmd += ["--threads", env["LLMSERVE_ENGINE_THREADS"]]
+        if env.get("LLMSERVE_ENGINE_SPARE", "1") != "0":
+            engine_cmd.append("--spares")
+        engine_cmd += shlex.split(env.get("LLMSERVE_ENGINE_FLAGS", ""))
         services.append(Service("engine", engine_cmd, env, log_dir))  # loads the model while the rest starts
         _prepare_database()
         celery_cmd = [python, "-m", "celery", "-A", "hostproject", "worker", "--loglevel", "INFO"]

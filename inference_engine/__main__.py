@@ -72,12 +72,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_flags(serve)
     serve.add_argument("--max-inflight", type=int, help="requests taken at once (default: --max-num-seqs)")
     serve.add_argument("--shutdown-grace", type=float, default=10.0)
+    serve.add_argument(
+        "--standby",
+        action="store_true",
+        help="load the model, then wait for SIGUSR1 before serving (a spare)",
+    )
     _add_bus_flags(serve)
 
     supervise = commands.add_parser("supervise", help="load / unload models on control messages")
     supervise.add_argument("--name", default="default", help="supervisor name (its control stream)")
     supervise.add_argument("--model", help="a model to load at start (with --served-model-name)")
     supervise.add_argument("--served-model-name")
+    supervise.add_argument(
+        "--spares", action="store_true", help="keep a loaded standby process per model for instant failover"
+    )
     _add_engine_flags(supervise)  # defaults for every engine it starts; a load message's engine_args win
     _add_bus_flags(supervise)
 
@@ -101,11 +109,23 @@ def serve(args: argparse.Namespace) -> None:
     from inference_engine.config import EngineConfig
     from inference_engine.llm_engine import LLMEngine
 
+    promoted = threading.Event()
+    if args.standby:  # before the model loads: an early SIGUSR1 must not kill us
+        signal.signal(signal.SIGUSR1, lambda *_: promoted.set())
     if args.threads:
         torch.set_num_threads(args.threads)
     url, _server = ensure_redis_url(args.redis_url)
     config = EngineConfig(model=args.model, served_model_name=args.served_model_name, **_engine_options(args))
     engine = LLMEngine(config)
+    if args.standby:
+        stopped = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stopped.set())
+        print("standing by (SIGUSR1 puts this process on the bus)", file=sys.stderr, flush=True)
+        while not (promoted.wait(0.2) or stopped.is_set()):
+            pass
+        if stopped.is_set():
+            return
     settings = ServeSettings(
         prefix=args.prefix,
         heartbeat_interval=args.heartbeat_interval,
@@ -126,7 +146,7 @@ def supervise(args: argparse.Namespace) -> None:
     if args.threads:
         extra += ["--threads", str(args.threads)]
     supervisor = Supervisor(
-        url, args.name, args.prefix, extra, args.heartbeat_interval, _engine_options(args)
+        url, args.name, args.prefix, extra, args.heartbeat_interval, _engine_options(args), args.spares
     )
     if args.model or args.served_model_name:
         supervisor.load(args.served_model_name or "default", args.model, {})

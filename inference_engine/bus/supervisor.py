@@ -6,6 +6,11 @@ consumer group, so load/unload messages sent while the supervisor was down are h
 A child that dies unexpectedly is withdrawn from the bus at once (its heartbeat deleted: clients waiting on it
 hear within a poll, not a heartbeat TTL) and restarted, at once the first time and with a growing delay if it
 keeps dying; the new process takes over its predecessor's pending requests.
+
+With ``spares`` the supervisor also keeps one standby process per model (`serve --standby`: model loaded, not
+on the bus), started once the model has served for a while. When the serving process dies, the spare takes
+over at once (a signal puts it on the bus) instead of the model being loaded anew, and a new spare is started.
+Loading a model takes seconds to minutes; this turns an engine crash into an outage of about one poll.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ log = logging.getLogger(__name__)
 CONTROL_GROUP = "supervisor"
 MAX_QUICK_RESTARTS = 5  # a child that keeps dying within a minute is given up on
 RESTART_DELAYS = (0.0, 1.0, 2.0, 4.0, 8.0)  # seconds before the 1st, 2nd, ... restart within a minute
+SPARE_AFTER = 10.0  # seconds a model serves before its spare starts loading (not competing with its start)
 
 
 @dataclass
@@ -44,6 +50,8 @@ class _Child:
     restarts: list[float] = field(default_factory=list)
     state: str = "running"  # "running" | "restarting" (at `restart_at`) | "failed"
     restart_at: float = 0.0
+    started: float = field(default_factory=time.monotonic)
+    spare: subprocess.Popen | None = None  # a standby `serve` process, model loaded, waiting for SIGUSR1
 
 
 def serve_command(
@@ -76,7 +84,9 @@ class Supervisor:
         serve_extra: list[str] | None = None,
         heartbeat_interval: float = 1.0,
         default_engine_args: dict[str, Any] | None = None,
+        spares: bool = False,
     ) -> None:
+        self.spares = spares
         self.redis_url, self.name, self.prefix = redis_url, name, prefix
         self.default_engine_args = default_engine_args or {}
         self.serve_extra = serve_extra or []
@@ -103,13 +113,17 @@ class Supervisor:
             log.info("model %r is not loaded", name)
             return
         log.info("unloading %r", name)
-        if child.process.poll() is None:
-            child.process.send_signal(signal.SIGTERM)  # the engine drains, then withdraws its heartbeat
+        for process in (child.process, child.spare):
+            if process is not None and process.poll() is None:
+                process.send_signal(signal.SIGTERM)  # the engine drains, then withdraws its heartbeat
+        for process in (child.process, child.spare):
+            if process is None:
+                continue
             try:
-                child.process.wait(timeout)
+                process.wait(timeout)
             except subprocess.TimeoutExpired:
-                child.process.kill()
-                child.process.wait()
+                process.kill()
+                process.wait()
 
     def run(self) -> None:
         stream = self.keys.control(self.name)
@@ -165,13 +179,26 @@ class Supervisor:
         now = time.monotonic()
         for child in self.children.values():
             if child.state == "restarting" and now >= child.restart_at:
-                child.state = "running"
+                child.state, child.started = "running", now
                 child.process = subprocess.Popen(self._command(child.name, child.model, child.engine_args))
-            if child.state != "running" or child.process.poll() is None:
+            if child.state != "running":
+                continue
+            if child.process.poll() is None:
+                self._keep_spare(child, now)
                 continue
             withdrawn = withdraw_process(
                 self.redis, self.keys, child.name, socket.gethostname(), child.process.pid
             )
+            if child.spare is not None and child.spare.poll() is None:
+                log.warning(
+                    "model %r exited with %s (replicas withdrawn: %s); its spare takes over",
+                    child.name,
+                    child.process.returncode,
+                    withdrawn,
+                )
+                child.spare.send_signal(signal.SIGUSR1)
+                child.process, child.spare, child.started = child.spare, None, now
+                continue
             child.restarts = [t for t in child.restarts if now - t < 60] + [now]
             if len(child.restarts) > MAX_QUICK_RESTARTS:
                 log.error("model %r keeps dying (exit %s); giving up", child.name, child.process.returncode)
@@ -187,9 +214,22 @@ class Supervisor:
             )
             child.state, child.restart_at = "restarting", now + delay
 
+    def _keep_spare(self, child: _Child, now: float) -> None:
+        if not self.spares or now - child.started < SPARE_AFTER:
+            return
+        if child.spare is None or child.spare.poll() is not None:
+            command = [*self._command(child.name, child.model, child.engine_args), "--standby"]
+            child.spare = subprocess.Popen(command)
+
     def _beat(self) -> None:
         children = {
-            c.name: {"pid": c.process.pid, "model": c.model, "state": c.state, "restarts": len(c.restarts)}
+            c.name: {
+                "pid": c.process.pid,
+                "model": c.model,
+                "state": c.state,
+                "restarts": len(c.restarts),
+                "spare": c.spare.pid if c.spare is not None and c.spare.poll() is None else None,
+            }
             for c in self.children.values()
         }
         payload = json.dumps({"pid": os.getpid(), "children": children})

@@ -1,0 +1,26 @@
+"""One stack started by the launcher itself (`tests/faults/stack.py`), shared by every test here: load first,
+then the crashes, each of which the stack must survive by itself."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import django
+import pytest
+
+# As in tests/web: pytest-django needs the settings before the test modules import Django.
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "hostproject.settings")
+os.environ.setdefault("DJANGO_SECRET_KEY", "test-only-secret")
+django.setup()
+
+from .stack import LauncherStack  # noqa: E402
+
+
+@pytest.fixture(scope="package")
+def launched() -> Iterator[LauncherStack]:
+    stack = LauncherStack().start()
+    try:
+        yield stack
+    finally:
+        stack.stop()
