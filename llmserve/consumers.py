@@ -32,7 +32,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from asgiref.sync import sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
+from django.db import close_old_connections
 
 from inference_engine.bus.protocol import RequestDelta
 from inference_engine.errors import EngineError, ModelNotFoundError
@@ -196,6 +198,7 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
         config = await ModelConfig.objects.filter(name=request.model).afirst()
         if config is not None and not config.enabled:
             raise ChatError("model_not_found", f"The model `{request.model}` is disabled.", "model")
+        await sync_to_async(close_old_connections)()  # as REST does: no connection held while streaming
         self.answer = Answer(content.get("id"), request.model)
         self.task = asyncio.create_task(self._stream(self.answer, request, configured=config is not None))
 

@@ -51,7 +51,7 @@ class LauncherStack:
     def env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("LLMSERVE_", "DJANGO_", "CELERY_"))}
         env.update(
-            DJANGO_SETTINGS_MODULE="hostproject.settings",
+            DJANGO_SETTINGS_MODULE="tests.faults.settings",
             DJANGO_SECRET_KEY="test-only-secret",
             DATABASE_URL=self.database.url,
             LLMSERVE_ENGINE_THREADS="1",
