@@ -20,8 +20,8 @@ first run (otherwise ``admin`` and a random password, printed once); ``LLMSERVE_
 engine's torch threads, ``LLMSERVE_ENGINE_FLAGS`` more engine flags (e.g. ``--dtype float32 --max-num-seqs
 64``); ``LLMSERVE_ENGINE_SPARE=0`` turns off the engine's standby spare (a second process with the model
 loaded, which takes over at once when the serving one dies, at the cost of the model's memory twice);
-``LLMSERVE_WEB_WORKERS`` sets the web workers. Service logs go to ``var/log/<port>/``
-(appended to, so two stacks of one checkout on two ports keep their own).
+``LLMSERVE_WEB_WORKERS`` sets the web workers. Service logs are appended to files in ``LLMSERVE_LOG_DIR``,
+by default ``var/log/<port>/`` (so two stacks of one checkout on two ports keep their own).
 """
 
 from __future__ import annotations
@@ -215,7 +215,7 @@ def _raise_file_limit() -> None:
 
 def run(host: str, port: int, web_workers: int) -> None:
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "hostproject.settings")
-    log_dir = ROOT / "var" / "log" / str(port)
+    log_dir = Path(os.environ.get("LLMSERVE_LOG_DIR") or ROOT / "var" / "log" / str(port))
     log_dir.mkdir(parents=True, exist_ok=True)
     listener = _listen(host, port)
     _raise_file_limit()

@@ -257,12 +257,16 @@ class EngineServer:
         try:
             return pipe.execute()
         except redis.ResponseError as exc:
-            if "NOGROUP" not in str(exc):
+            if not _data_lost(exc):
                 raise
-        # Redis lost its data (restart without persistence) and redis-py reconnected by itself, so no
-        # ConnectionError told us: the in-flight requests lost their entries and part of their output.
-        # Fail them as a lost connection would (their clients may still be reading), then recreate our
-        # groups (`_connect` flushes the errors).
+        self._lost_data()
+        return None
+
+    def _lost_data(self) -> None:
+        """Redis lost its data (restart without persistence) and redis-py reconnected by itself, so no
+        ConnectionError told us: the in-flight requests lost their entries and part of their output. Fail them
+        as a lost connection would (their clients may still be reading), then recreate our groups (`_connect`
+        flushes the errors)."""
         if self._live:
             log.warning("Redis lost its data; failing %d in-flight request(s)", len(self._live))
             self.engine.abort_request(list(self._live))
@@ -274,7 +278,6 @@ class EngineServer:
                     ),
                 )
         self._connect()
-        return None
 
     def _admit(self, entries: list[tuple[str, str, dict]]) -> None:
         if not entries:
@@ -416,8 +419,14 @@ class EngineServer:
     def _dead_consumers(self) -> set[str]:
         consumers = set()
         for stream in self.streams:
-            for info in self.redis.xinfo_consumers(stream, P.GROUP):
-                consumers.add(info["name"])
+            try:
+                infos = self.redis.xinfo_consumers(stream, P.GROUP)
+            except redis.ResponseError as exc:
+                if not _data_lost(exc):
+                    raise
+                self._lost_data()
+                return set()
+            consumers.update(info["name"] for info in infos)
         consumers.discard(self.replica_id)
         if not consumers:
             return set()
@@ -470,3 +479,8 @@ class EngineServer:
             self._done.append((stream, entry_id))
         else:
             self._start(stream, entry_id, message)
+
+
+def _data_lost(exc: redis.ResponseError) -> bool:
+    """Whether a command failed because Redis no longer has our streams or groups (it restarted empty)."""
+    return "NOGROUP" in str(exc) or "no such key" in str(exc)

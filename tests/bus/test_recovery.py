@@ -9,6 +9,7 @@ import redis
 from inference_engine.bus import protocol as P
 from inference_engine.bus.client import EngineClient
 from inference_engine.bus.redis_server import RedisServer
+from inference_engine.bus.server import EngineServer, ServeSettings
 from inference_engine.errors import EngineUnavailableError
 
 from .conftest import MODEL, ThreadedServer, generate_offline, wait_idle
@@ -125,3 +126,20 @@ def test_redis_restart_fails_inflight_work_then_recovers(prefix, engine):
         finally:
             client.close()
             engine_server.stop()
+
+
+def test_maintenance_survives_redis_losing_its_data(engine, redis_server, raw_redis, prefix):
+    """Redis restarted empty: the replica's periodic look for dead peers finds no streams at all. It must take
+    that as lost data (recreate its groups, carry on), not die of it."""
+    settings = ServeSettings(prefix=prefix, heartbeat_interval=0.2, heartbeat_ttl=1.0)
+    server = EngineServer(engine, redis_server.url, MODEL, settings)
+    try:
+        server._connect()
+        keys = P.Keys(prefix)
+        for key in raw_redis.scan_iter(f"{prefix}:*"):
+            raw_redis.delete(key)
+        assert server._dead_consumers() == set()
+        assert raw_redis.xinfo_groups(keys.requests(MODEL))[0]["name"] == P.GROUP
+    finally:
+        server.heartbeat.stop()
+        server.redis.close()

@@ -18,9 +18,10 @@ from .stack import LauncherStack  # noqa: E402
 
 
 @pytest.fixture(scope="package")
-def launched() -> Iterator[LauncherStack]:
+def launched(request: pytest.FixtureRequest) -> Iterator[LauncherStack]:
     stack = LauncherStack().start()
+    failed_before = request.session.testsfailed
     try:
         yield stack
     finally:
-        stack.stop()
+        stack.stop(keep_logs=request.session.testsfailed > failed_before)

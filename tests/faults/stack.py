@@ -58,6 +58,7 @@ class LauncherStack:
             LLMSERVE_ENGINE_FLAGS=shlex.join(ENGINE_FLAGS),
             LLMSERVE_ADMIN_USER="admin",
             LLMSERVE_ADMIN_PASSWORD="faults-admin-password",
+            LLMSERVE_LOG_DIR=str(self.log_dir),
             OMP_NUM_THREADS="1",
             PYTHONPATH=str(ROOT),
         )
@@ -67,7 +68,7 @@ class LauncherStack:
 
     @property
     def log_dir(self) -> Path:
-        return ROOT / "var" / "log" / str(self.port)
+        return self.workdir / "logs"
 
     def start(self, timeout: float = 300) -> LauncherStack:
         command = [sys.executable, "-m", "hostproject.run", "--port", str(self.port)]
@@ -139,7 +140,7 @@ class LauncherStack:
         path = self.log_dir / f"{name}.log"
         return path.read_text(errors="replace") if path.exists() else ""
 
-    def stop(self) -> None:
+    def stop(self, keep_logs: bool = False) -> None:
         if self.launcher is not None and self.launcher.poll() is None:
             os.killpg(self.launcher.pid, signal.SIGINT)
             try:
@@ -148,5 +149,7 @@ class LauncherStack:
                 os.killpg(self.launcher.pid, signal.SIGKILL)
                 self.launcher.wait()
         self.database.drop()
-        shutil.rmtree(self.workdir, ignore_errors=True)
-        shutil.rmtree(self.log_dir, ignore_errors=True)
+        if keep_logs:
+            print(f"\nthe launcher's logs: {self.log_dir}")
+        else:
+            shutil.rmtree(self.workdir, ignore_errors=True)
