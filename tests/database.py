@@ -49,9 +49,18 @@ class TestDatabase:
         return "postgresql" if self.postgres_name else "sqlite"
 
     def drop(self) -> None:
-        if self.postgres_name is None:
-            return
-        import psycopg
+        if self.postgres_name is not None:
+            drop_postgres_database(self.postgres_name)
 
-        with psycopg.connect(ADMIN_URL, autocommit=True) as connection:
-            connection.execute(f'DROP DATABASE IF EXISTS "{self.postgres_name}" WITH (FORCE)')
+
+def in_process_test_database() -> str:
+    """The name pytest-django gives this run's test database on PostgreSQL (see tests/settings.py)."""
+    return f"test_llmserve_{os.getpid()}"
+
+
+def drop_postgres_database(name: str) -> None:
+    """Drop `name` even if connections are left open on it (e.g. by threads of in-process ASGI tests)."""
+    import psycopg
+
+    with psycopg.connect(ADMIN_URL, autocommit=True) as connection:
+        connection.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
