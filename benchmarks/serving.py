@@ -14,7 +14,7 @@ beside it.
     python benchmarks/serving.py --url http://127.0.0.1:8000 --api-key sk-llm-... --model smol
 
 Concurrency sweep (``--sweep 1,10,100,1000``): at each level N, N clients at once, each sending streamed chat
-requests (16 tokens, greedy, EOS ignored) back to back until the level's requests (``max(2N, 20)``) are done:
+requests (16 tokens, greedy, EOS ignored) back to back until the level's requests (``max(N, 20)``) are done:
 throughput, TTFT p50/p99 and the number of requests that did not complete, per level. It starts the stack
 exactly as ``scripts/run`` does (tests/faults/stack.py: two daphne workers, an engine with up to 64 sequences
 per batch) unless ``--url`` names one. Results: ``serving_sweep.json`` and ``.png``.
@@ -200,10 +200,10 @@ SWEEP_PARAMS = {"max_tokens": 16, "temperature": 0, "ignore_eos": True}
 
 
 async def sweep_level(port: int, api_key: str, model: str, clients: int) -> dict[str, Any]:
-    """`clients` closed-loop clients sharing `max(2 * clients, 20)` streamed chat requests."""
+    """`clients` closed-loop clients sharing `max(clients, 20)` streamed chat requests."""
     from tests.faults.load import chat
 
-    total = max(2 * clients, 20)
+    total = max(clients, 20)
     remaining = iter(range(total))
     outcomes: list = []
 
@@ -229,7 +229,7 @@ async def sweep_level(port: int, api_key: str, model: str, clients: int) -> dict
     for o in outcomes:
         if not o.complete:
             kind = (
-                f"{o.status} {(o.error or {}).get('code')}"
+                f"{o.status} {(o.error or {}).get('message')}"
                 if o.status
                 else ("timeout" if o.timed_out else "cut")
             )
@@ -293,6 +293,7 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
         from tests.faults.stack import MODEL, LauncherStack
 
         stack = LauncherStack().start()
+        print(f"the stack's logs: {stack.log_dir}", flush=True)
         port, api_key, model = stack.port, stack.api_key, MODEL
         label = "scripts/run's stack, 2 web workers, engine max 64 seqs, fp32, 1 thread"
     levels = []
@@ -311,7 +312,7 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
             levels.append(row)
     finally:
         if stack is not None:
-            stack.stop()
+            stack.stop(keep_logs=args.keep_logs)
     summary = {"config": {"stack": label, "params": SWEEP_PARAMS}, "levels": levels}
     out = args.out.with_name("serving_sweep.json") if args.out.name == "serving.json" else args.out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -334,6 +335,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--max-num-seqs", type=int, default=32, help="batch size of the engine this starts")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results" / "serving.json")
     parser.add_argument("--sweep", help="concurrency levels, e.g. 1,10,100,1000 (see the module docstring)")
+    parser.add_argument("--keep-logs", action="store_true", help="keep the logs of the stack it starts")
     args = parser.parse_args(argv)
     if args.sweep:
         return run_sweep(args)

@@ -8,6 +8,7 @@ database, Redis and secret without editing files:
 ``DJANGO_ALLOWED_HOSTS`` comma-separated; default: localhost only
 ``DATABASE_URL``        the database, e.g. ``postgres://user:password@host:5432/llmserve`` (PostgreSQL is the
                         production choice: several web and Celery processes write at once); unset: SQLite
+``LLMSERVE_DB_POOL_SIZE`` PostgreSQL connections per process (default 8; requests wait for a free one)
 ``LLMSERVE_DB_PATH``    SQLite database file when ``DATABASE_URL`` is unset (default: ``db.sqlite3`` here)
 ``LLMSERVE_REDIS_URL``  Redis of the request bus (also Celery's broker unless ``CELERY_BROKER_URL`` is set)
 ``LLMSERVE_OPEN_ACCESS`` ``1`` serves the API without API keys
@@ -82,7 +83,12 @@ TEMPLATES = [
 ASGI_APPLICATION = "hostproject.asgi.application"
 
 if os.environ.get("DATABASE_URL"):
-    DATABASES = {"default": dj_database_url.config(conn_health_checks=True)}
+    DATABASES = {"default": dj_database_url.config()}
+    if DATABASES["default"]["ENGINE"].endswith("postgresql"):
+        # Each ASGI request runs its queries in a thread of its own; without a pool, a crowd of requests would
+        # open as many connections as the server allows and fail past that. With it they wait for one.
+        pool_size = int(os.environ.get("LLMSERVE_DB_POOL_SIZE", "8"))
+        DATABASES["default"]["OPTIONS"] = {"pool": {"min_size": 1, "max_size": pool_size, "timeout": 60}}
 else:
     DATABASES = {
         "default": {

@@ -38,8 +38,9 @@ def test_no_answer_times_out_and_aborts(client, raw_redis, prefix):
     _fake_heartbeat(raw_redis, prefix)
     client.settings.ack_timeout = 0.5
     start = time.monotonic()
-    with pytest.raises(EngineUnavailableError, match="within"):
+    with pytest.raises(EngineUnavailableError, match="within") as refused:
         client.generate("m", "hi", request_id="r1")
+    assert "r1" not in str(refused.value)  # internal ids stay out of messages that reach API clients
     assert time.monotonic() - start < 2
     assert raw_redis.exists(P.Keys(prefix).abort("r1"))
 

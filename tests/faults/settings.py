@@ -4,4 +4,4 @@
 from hostproject.settings import *  # noqa: F403
 from hostproject.settings import LLMSERVE
 
-LLMSERVE = {**LLMSERVE, "ACK_TIMEOUT": 300.0, "STREAM_TIMEOUT": 120.0}
+LLMSERVE = {**LLMSERVE, "ACK_TIMEOUT": 900.0, "STREAM_TIMEOUT": 120.0}
