@@ -50,6 +50,7 @@ from inference_engine.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+LIVE_CACHE_SECONDS = 0.5
 T = TypeVar("T")
 
 
@@ -116,14 +117,26 @@ class _Core:
         self.settings = settings
         self.keys = P.Keys(settings.prefix)
         self._output_prefix = self.keys.output("")
+        self._seen_live: dict[str, float] = {}  # model -> when a live replica of it was last seen
 
     def live_replicas(self, model: str) -> Op[list[str]]:
         (members,) = yield [_cmd("smembers", self.keys.replicas(model))]
         replica_ids = sorted(members)
-        if not replica_ids:
-            return []
-        (beats,) = yield [_cmd("mget", [self.keys.replica(r) for r in replica_ids])]
-        return [r for r, beat in zip(replica_ids, beats, strict=True) if beat is not None]
+        beats = (yield [_cmd("mget", [self.keys.replica(r) for r in replica_ids])])[0] if replica_ids else []
+        live = [r for r, beat in zip(replica_ids, beats, strict=True) if beat is not None]
+        if live:
+            self._seen_live[model] = time.monotonic()
+        else:
+            self._seen_live.pop(model, None)
+        return live
+
+    def served(self, model: str) -> Op[bool]:
+        """Whether a replica serves `model`, taking a sighting of the last `LIVE_CACHE_SECONDS` as a yes: a
+        burst of submissions then costs one round trip each. (A replica that died since is noticed by the
+        request's own wait, `check_waiting`, which always looks afresh.)"""
+        if time.monotonic() - self._seen_live.get(model, -LIVE_CACHE_SECONDS) < LIVE_CACHE_SECONDS:
+            return True
+        return bool((yield from self.live_replicas(model)))
 
     def submit(self, model: str, message: P.Generate | P.Tokenize | P.Detokenize) -> Op[None]:
         """Queue a request: generations on the stream of their priority, bounded by `max_queue` (interactive
@@ -136,7 +149,7 @@ class _Core:
             limit = self.settings.max_queue
         else:
             stream, counted, limit = self.keys.utility(model), (), -1
-        if not (yield from self.live_replicas(model)):
+        if not (yield from self.served(model)):
             raise ModelNotFoundError(f"model {model!r} is not served by any live engine.")
         keys = (self.keys.request_id(message.id), stream, *counted)
         entry = P.encode(message)[P.FIELD]
