@@ -17,7 +17,7 @@ Concurrency sweep (``--sweep 1,10,100,1000``): at each level N, N clients at onc
 requests (16 tokens, greedy, EOS ignored) back to back until the level's requests (``max(N, 20)``) are done:
 throughput, TTFT p50/p99 and the number of requests that did not complete, per level. It starts the stack
 exactly as ``scripts/run`` does (tests/faults/stack.py: two daphne workers, an engine with up to 64 sequences
-per batch) unless ``--url`` names one. Results: ``serving_sweep.json`` and ``.png``.
+per batch), and measures once the engine's standby spare has loaded, unless ``--url`` names a server. Results: ``serving_sweep.json`` and ``.png``.
 
     python benchmarks/serving.py --sweep 1,10,100,1000
 """
@@ -294,6 +294,9 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
 
         stack = LauncherStack().start()
         print(f"the stack's logs: {stack.log_dir}", flush=True)
+        deadline = time.monotonic() + 600
+        while "standing by" not in stack.log("engine") and time.monotonic() < deadline:
+            time.sleep(1)  # the engine's spare loads the model: not while measuring
         port, api_key, model = stack.port, stack.api_key, MODEL
         label = "scripts/run's stack, 2 web workers, engine max 64 seqs, fp32, 1 thread"
     levels = []
