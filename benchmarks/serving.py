@@ -17,7 +17,8 @@ Concurrency sweep (``--sweep 1,10,100,1000``): at each level N, N clients at onc
 requests (16 tokens, greedy, EOS ignored) back to back until the level's requests (``max(N, 20)``) are done:
 throughput, TTFT p50/p99 and the number of requests that did not complete, per level. It starts the stack
 exactly as ``scripts/run`` does (tests/faults/stack.py: two daphne workers, an engine with up to 64 sequences
-per batch), and measures once the engine's standby spare has loaded, unless ``--url`` names a server. Results: ``serving_sweep.json`` and ``.png``.
+per batch), and measures once the engine's standby spare has loaded, unless ``--url`` names a server.
+Results: ``serving_sweep.json`` and ``.png``.
 
     python benchmarks/serving.py --sweep 1,10,100,1000
 """

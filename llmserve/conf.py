@@ -69,7 +69,7 @@ DEFAULTS: dict[str, Any] = {
     "STREAM_TIMEOUT": 60.0,
     "MAX_QUEUE": 1024,
     "REDIS_MAX_CONNECTIONS": 32,
-    "REDIS_POOL_TIMEOUT": 10.0,
+    "REDIS_POOL_TIMEOUT": 30.0,
     "RETRY_AFTER": 1,
     "SUPERVISOR": "default",
     "ENGINE_THREADS": None,

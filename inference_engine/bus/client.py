@@ -65,7 +65,7 @@ class ClientSettings:
     max_queue: int = 1024
     id_ttl: int = 3600  # seconds a request id stays reserved
     max_connections: int = 32  # Redis connections of one client, shared by all its requests
-    pool_timeout: float = 10.0  # longest wait for a free connection before a call fails as overloaded
+    pool_timeout: float = 30.0  # longest wait for a free connection before a call fails as overloaded
 
 
 @dataclass
