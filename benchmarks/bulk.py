@@ -94,7 +94,7 @@ def main() -> None:
     try:
         os.environ.update(
             DJANGO_SETTINGS_MODULE="tests.bulk.settings",
-            LLMSERVE_DB_PATH=str(stack.db_path),
+            DATABASE_URL=stack.database.url,
             LLMSERVE_REDIS_URL=stack.redis.url,
             DJANGO_SECRET_KEY="benchmark-only",
         )

@@ -12,6 +12,15 @@ beside it.
 
     python benchmarks/serving.py --rate 2 --out benchmarks/results/serving.json
     python benchmarks/serving.py --url http://127.0.0.1:8000 --api-key sk-llm-... --model smol
+
+Concurrency sweep (``--sweep 1,10,100,1000``): at each level N, N clients at once, each sending streamed chat
+requests (16 tokens, greedy, EOS ignored) back to back until the level's requests (``max(N, 20)``) are done:
+throughput, TTFT p50/p99 and the number of requests that did not complete, per level. It starts the stack
+exactly as ``scripts/run`` does (tests/faults/stack.py: two daphne workers, an engine with up to 64 sequences
+per batch), and measures once the engine's standby spare has loaded, unless ``--url`` names a server.
+Results: ``serving_sweep.json`` and ``.png``.
+
+    python benchmarks/serving.py --sweep 1,10,100,1000
 """
 
 from __future__ import annotations
@@ -186,6 +195,137 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+# ------------------------------------------------------------------------------------ concurrency sweep
+
+SWEEP_PARAMS = {"max_tokens": 16, "temperature": 0, "ignore_eos": True}
+
+
+async def sweep_level(port: int, api_key: str, model: str, clients: int) -> dict[str, Any]:
+    """`clients` closed-loop clients sharing `max(clients, 20)` streamed chat requests."""
+    from tests.faults.load import chat
+
+    total = max(clients, 20)
+    remaining = iter(range(total))
+    outcomes: list = []
+
+    async def client() -> None:
+        for i in remaining:
+            outcomes.append(
+                await chat(
+                    port,
+                    api_key,
+                    model,
+                    f"Tell me about {TOPICS[i % len(TOPICS)]}.",
+                    timeout=600,
+                    **SWEEP_PARAMS,
+                )
+            )
+
+    start = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(clients)))
+    wall = time.perf_counter() - start
+    complete = [o for o in outcomes if o.complete]
+    ttfts = sorted(o.ttft for o in complete if o.ttft is not None)
+    errors: dict[str, int] = {}
+    for o in outcomes:
+        if not o.complete:
+            kind = (
+                f"{o.status} {(o.error or {}).get('message')}"
+                if o.status
+                else ("timeout" if o.timed_out else "cut")
+            )
+            errors[kind] = errors.get(kind, 0) + 1
+    return {
+        "clients": clients,
+        "requests": total,
+        "wall_s": wall,
+        "completed": len(complete),
+        "errors": sum(errors.values()),
+        "error_kinds": errors,
+        "request_throughput_per_s": len(complete) / wall,
+        "output_throughput_tok_per_s": len(complete) * SWEEP_PARAMS["max_tokens"] / wall,
+        "ttft_s": percentiles(ttfts) if ttfts else None,
+        "e2e_s": percentiles([o.elapsed for o in complete]) if complete else None,
+    }
+
+
+def plot_sweep(summary: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = summary["levels"]
+    x = [row["clients"] for row in levels]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
+    left.plot(x, [row["output_throughput_tok_per_s"] for row in levels], "o-", label="output tokens/s")
+    for row in levels:
+        left.annotate(
+            f"{row['errors']} errors", (row["clients"], row["output_throughput_tok_per_s"]), fontsize=8
+        )
+    left.set_xscale("log")
+    left.set_xlabel("concurrent clients")
+    left.set_ylabel("output tokens / s")
+    left.grid(alpha=0.3)
+    for key, style in (("p50", "o-"), ("p99", "s--")):
+        right.plot(x, [(row["ttft_s"] or {}).get(key) for row in levels], style, label=f"TTFT {key}")
+    right.set_xscale("log")
+    right.set_yscale("log")
+    right.set_xlabel("concurrent clients")
+    right.set_ylabel("time to first token (s)")
+    right.legend()
+    right.grid(alpha=0.3)
+    fig.suptitle(f"llmserve concurrency sweep ({summary['config']['stack']}; 16-token streamed chats)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
+    import resource
+
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # a socket per client
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    stack = None
+    if args.url:
+        port, api_key = int(args.url.rstrip("/").rsplit(":", 1)[1]), args.api_key
+        model, label = args.model, args.url
+    else:
+        from tests.faults.stack import MODEL, LauncherStack
+
+        stack = LauncherStack().start()
+        print(f"the stack's logs: {stack.log_dir}", flush=True)
+        deadline = time.monotonic() + 600
+        while "standing by" not in stack.log("engine") and time.monotonic() < deadline:
+            time.sleep(1)  # the engine's spare loads the model: not while measuring
+        port, api_key, model = stack.port, stack.api_key, MODEL
+        label = "scripts/run's stack, 2 web workers, engine max 64 seqs, fp32, 1 thread"
+    levels = []
+    try:
+        for clients in (int(c) for c in args.sweep.split(",")):
+            row = asyncio.run(sweep_level(port, api_key, model, clients))
+            print(
+                json.dumps(
+                    {
+                        k: row[k]
+                        for k in ("clients", "wall_s", "output_throughput_tok_per_s", "ttft_s", "errors")
+                    }
+                ),
+                flush=True,
+            )
+            levels.append(row)
+    finally:
+        if stack is not None:
+            stack.stop(keep_logs=args.keep_logs)
+    summary = {"config": {"stack": label, "params": SWEEP_PARAMS}, "levels": levels}
+    out = args.out.with_name("serving_sweep.json") if args.out.name == "serving.json" else args.out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(summary, indent=2))
+    plot_sweep(summary, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+    return summary
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rate", type=float, default=2.0, help="mean arrivals per second (Poisson)")
@@ -198,7 +338,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the engine this starts")
     parser.add_argument("--max-num-seqs", type=int, default=32, help="batch size of the engine this starts")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results" / "serving.json")
+    parser.add_argument("--sweep", help="concurrency levels, e.g. 1,10,100,1000 (see the module docstring)")
+    parser.add_argument("--keep-logs", action="store_true", help="keep the logs of the stack it starts")
     args = parser.parse_args(argv)
+    if args.sweep:
+        return run_sweep(args)
 
     stack = None
     if args.url:

@@ -11,16 +11,29 @@ django_asgi_app = get_asgi_application()
 
 from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
-from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
+from django.core.exceptions import SuspiciousFileOperation  # noqa: E402
+from django.http import Http404, HttpRequest, HttpResponse  # noqa: E402
 
-from llmserve.routing import websocket_urlpatterns  # noqa: E402
+from llmserve.routing import SameOriginValidator, websocket_urlpatterns  # noqa: E402
+
+
+class StaticFilesHandler(ASGIStaticFilesHandler):
+    """Django's static file handler, with a path that climbs out of the static folders (``%2e%2e/``) answered
+    as the missing file it is (404) rather than an unhandled error (500)."""
+
+    def serve(self, request: HttpRequest) -> HttpResponse:
+        try:
+            return super().serve(request)
+        except SuspiciousFileOperation:
+            raise Http404("No such static file.") from None
+
 
 application = ProtocolTypeRouter(
     {
         # The standalone project has no web server in front: Django serves the static files itself.
-        "http": ASGIStaticFilesHandler(django_asgi_app),
-        # Only pages of our own hosts may open sockets (they carry the visitor's session cookie).
-        "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
+        "http": StaticFilesHandler(django_asgi_app),
+        # Only our own pages may open sockets (they carry the visitor's session cookie).
+        "websocket": SameOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
     }
 )

@@ -1,17 +1,27 @@
 """``scripts/run``: the whole stack in one command — Redis, the engine with the bundled model, daphne and a
-Celery worker — stopped cleanly by Ctrl-C or SIGTERM.
+Celery worker — kept running until Ctrl-C or SIGTERM stops it cleanly.
 
 Each service runs in its own process group (its own session), so a terminal's Ctrl-C reaches only this
-launcher, which then stops the services in order (web first, Redis last) and kills whatever a group still
-holds after a grace period: no stray processes, even from grandchildren (the engine's supervisor starts the
-engine; Celery forks its pool).
+launcher. A service that dies is restarted: at once the first time, then after 1, 2, 4 ... (at most 30)
+seconds while it keeps dying, the count starting over once it has run for a minute. Whatever its process
+group still holds is killed first (an engine left behind by its dead supervisor, a Celery pool child). Redis
+comes back on the same port; the engines and the web tier reconnect by themselves. On Ctrl-C the services stop
+in reverse order (web first, Redis last), each group killed after a grace period: no stray processes.
 
-    python -m hostproject.run [--host 127.0.0.1] [--port 8000]      (PORT= works too)
+The web port is bound here and handed to each web worker (``--web-workers N``, default 1), so several
+daphne processes share it and the port keeps accepting connections while a worker restarts; rate limits
+are counted in Redis, so they hold across workers.
 
-Environment: ``LLMSERVE_REDIS_URL`` uses that Redis instead of a private one; ``LLMSERVE_ADMIN_USER`` /
-``LLMSERVE_ADMIN_PASSWORD`` name the admin login created on the first run (otherwise ``admin`` and a random
-password, printed once); ``LLMSERVE_ENGINE_THREADS`` sets the engine's torch threads. Service logs go to
-``var/log/``.
+    python -m hostproject.run [--host 127.0.0.1] [--port 8000] [--web-workers 1]     (PORT= works too)
+
+Environment: ``LLMSERVE_REDIS_URL`` uses that Redis instead of a private one; ``DATABASE_URL`` that database
+instead of SQLite; ``LLMSERVE_ADMIN_USER`` / ``LLMSERVE_ADMIN_PASSWORD`` name the admin login created on the
+first run (otherwise ``admin`` and a random password, printed once); ``LLMSERVE_ENGINE_THREADS`` sets the
+engine's torch threads, ``LLMSERVE_ENGINE_FLAGS`` more engine flags (e.g. ``--dtype float32 --max-num-seqs
+64``); ``LLMSERVE_ENGINE_SPARE=0`` turns off the engine's standby spare (a second process with the model
+loaded, which takes over at once when the serving one dies, at the cost of the model's memory twice);
+``LLMSERVE_WEB_WORKERS`` sets the web workers. Service logs are appended to files in ``LLMSERVE_LOG_DIR``,
+by default ``var/log/<port>/`` (so two stacks of one checkout on two ports keep their own).
 """
 
 from __future__ import annotations
@@ -20,7 +30,9 @@ import argparse
 import contextlib
 import json
 import os
+import resource
 import secrets
+import shlex
 import signal
 import socket
 import subprocess
@@ -29,11 +41,14 @@ import time
 import urllib.request
 from pathlib import Path
 
+from inference_engine.bus.redis_server import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
-LOG_DIR = ROOT / "var" / "log"
 MODEL_NAME = "SmolLM2-135M-Instruct"  # served name of the bundled default model
 READY_TIMEOUT = 600.0  # seconds; the first start on a slow machine loads and converts the model
 STOP_GRACE = 20.0  # seconds each service gets to shut down before its process group is killed
+MAX_RESTART_DELAY = 30.0
+STABLE_AFTER = 60.0  # seconds of running after which a service's restart count starts over
 
 
 class ServiceFailed(RuntimeError):
@@ -41,17 +56,57 @@ class ServiceFailed(RuntimeError):
 
 
 class Service:
-    """One child process in its own session, with its output in ``var/log/<name>.log``."""
+    """One child process in its own session, with its output appended to ``<log_dir>/<name>.log``; restarted
+    with backoff when it dies (see the module docstring)."""
 
-    def __init__(self, name: str, cmd: list[str], env: dict[str, str], stdout: int | None = None) -> None:
-        self.name = name
-        self.log_path = LOG_DIR / f"{name}.log"
-        with open(self.log_path, "w") as log:
-            self.process = subprocess.Popen(
-                cmd, cwd=ROOT, env=env, start_new_session=True, stdout=stdout or log, stderr=log
+    def __init__(
+        self, name: str, cmd: list[str], env: dict[str, str], log_dir: Path, pass_fds: tuple[int, ...] = ()
+    ) -> None:
+        self.name, self.cmd, self.env, self.pass_fds = name, cmd, env, pass_fds
+        self.log_path = log_dir / f"{name}.log"
+        self.failures = 0
+        self.restart_at: float | None = None
+        self.process = self._spawn()
+
+    def _spawn(self) -> subprocess.Popen:
+        self.started = time.monotonic()
+        with open(self.log_path, "a") as log:
+            log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {' '.join(self.cmd)}\n")
+            log.flush()
+            return subprocess.Popen(
+                self.cmd,
+                cwd=ROOT,
+                env=self.env,
+                start_new_session=True,
+                stdout=log,
+                stderr=log,
+                pass_fds=self.pass_fds,
             )
 
+    def keep_alive(self) -> None:
+        """Notice a death (kill what is left of the group, schedule the restart) and restart when due."""
+        now = time.monotonic()
+        if self.restart_at is None:
+            if self.process.poll() is None:
+                return
+            _kill_group(self.process)
+            if now - self.started > STABLE_AFTER:
+                self.failures = 0
+            delay = 0.0 if self.failures == 0 else min(MAX_RESTART_DELAY, 2.0 ** (self.failures - 1))
+            self.failures += 1
+            self.restart_at = now + delay
+            print(
+                f"{self.name} exited with {self.process.returncode}; restarting in {delay:g}s "
+                f"(see {self.log_path})",
+                file=sys.stderr,
+                flush=True,
+            )
+        if now >= self.restart_at:
+            self.restart_at = None
+            self.process = self._spawn()
+
     def check(self) -> None:
+        """During start-up a death is fatal: it is a configuration problem, not a crash to ride out."""
         if self.process.poll() is not None:
             raise ServiceFailed(
                 f"{self.name} exited with {self.process.returncode}; the end of "
@@ -70,22 +125,44 @@ class Service:
                 self.process.wait(STOP_GRACE)
             except subprocess.TimeoutExpired:
                 print(f"{self.name} did not stop within {STOP_GRACE:.0f}s; killing it", file=sys.stderr)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGKILL)  # the session's stragglers, if any
-        self.process.wait()
+        _kill_group(self.process)
+
+
+def _kill_group(process: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)  # the session's stragglers, if any
+    process.wait()
 
 
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def _port_free(host: str, port: int) -> bool:
-    with socket.socket() as sock:
+def _listen(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise ServiceFailed(f"{host}:{port} is in use; choose another port with --port or PORT=") from None
+    sock.listen(1024)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _wait_redis(port: int, service: Service, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        service.check()
         try:
-            sock.bind((host, port))
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
+                sock.sendall(b"PING\r\n")
+                if sock.recv(16).startswith(b"+PONG"):
+                    return
         except OSError:
-            return False
-    return True
+            time.sleep(0.05)
+    raise ServiceFailed(f"Redis did not answer on port {port} within {timeout:.0f}s")
 
 
 def _prepare_database() -> None:
@@ -113,7 +190,7 @@ def _prepare_database() -> None:
         ModelConfig.objects.create(name=MODEL_NAME, source=ModelConfig.Source.BUNDLED)
 
 
-def _wait_ready(base_url: str, services: list[Service]) -> None:
+def _wait_ready(base_url: str, services: list[Service], log_dir: Path) -> None:
     deadline = time.monotonic() + READY_TIMEOUT
     while time.monotonic() < deadline:
         for service in services:
@@ -125,27 +202,35 @@ def _wait_ready(base_url: str, services: list[Service]) -> None:
         except (OSError, ValueError):
             pass
         time.sleep(0.5)
-    raise ServiceFailed(f"the stack was not ready within {READY_TIMEOUT:.0f}s; see {LOG_DIR}")
+    raise ServiceFailed(f"the stack was not ready within {READY_TIMEOUT:.0f}s; see {log_dir}")
 
 
-def run(host: str, port: int) -> None:
+def _raise_file_limit() -> None:
+    """Each open connection is a file descriptor: let the services (they inherit it) hold as many as the
+    system allows, not the usual soft limit of 1,024."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def run(host: str, port: int, web_workers: int) -> None:
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "hostproject.settings")
-    LOG_DIR.mkdir(parents=True, exist_ok=True)
-    if not _port_free(host, port):
-        raise ServiceFailed(f"{host}:{port} is in use; choose another port with --port or PORT=")
+    log_dir = Path(os.environ.get("LLMSERVE_LOG_DIR") or ROOT / "var" / "log" / str(port))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    listener = _listen(host, port)
+    _raise_file_limit()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    python = sys.executable
     services: list[Service] = []  # in start order; stopped in reverse
     try:
         if not env.get("LLMSERVE_REDIS_URL"):
+            redis_port = free_port()
             redis = Service(
-                "redis", [sys.executable, "-m", "inference_engine", "redis"], env, stdout=subprocess.PIPE
+                "redis", [python, "-m", "inference_engine", "redis", "--port", str(redis_port)], env, log_dir
             )
             services.append(redis)
-            url = redis.process.stdout.readline().decode().strip()
-            if not url:  # it failed before printing its URL
-                redis.process.wait(STOP_GRACE)
-                redis.check()
-            env["LLMSERVE_REDIS_URL"] = os.environ["LLMSERVE_REDIS_URL"] = url
+            _wait_redis(redis_port, redis)
+            env["LLMSERVE_REDIS_URL"] = os.environ["LLMSERVE_REDIS_URL"] = f"redis://127.0.0.1:{redis_port}/0"
         print(f"Redis: {env['LLMSERVE_REDIS_URL']}", flush=True)
 
         import django  # now: the settings read the Redis URL from the environment
@@ -153,52 +238,25 @@ def run(host: str, port: int) -> None:
         django.setup()
         from llmserve import conf
 
-        engine_cmd = [
-            sys.executable,
-            "-m",
-            "inference_engine",
-            "supervise",
-            "--name",
-            conf.get("SUPERVISOR"),
-            "--served-model-name",
-            MODEL_NAME,
-            "--redis-url",
-            conf.get("REDIS_URL"),
-            "--prefix",
-            conf.get("BUS_PREFIX"),
-        ]
+        engine_cmd = [python, "-m", "inference_engine", "supervise", "--name", conf.get("SUPERVISOR")]
+        engine_cmd += ["--served-model-name", MODEL_NAME, "--redis-url", conf.get("REDIS_URL")]
+        engine_cmd += ["--prefix", conf.get("BUS_PREFIX")]
         if env.get("LLMSERVE_ENGINE_THREADS"):
             engine_cmd += ["--threads", env["LLMSERVE_ENGINE_THREADS"]]
-        services.append(Service("engine", engine_cmd, env))  # loads the model while the rest starts
+        if env.get("LLMSERVE_ENGINE_SPARE", "1") != "0":
+            engine_cmd.append("--spares")
+        engine_cmd += shlex.split(env.get("LLMSERVE_ENGINE_FLAGS", ""))
+        services.append(Service("engine", engine_cmd, env, log_dir))  # loads the model while the rest starts
         _prepare_database()
-        services.append(
-            Service(
-                "celery",
-                [
-                    sys.executable,
-                    "-m",
-                    "celery",
-                    "-A",
-                    "hostproject",
-                    "worker",
-                    "--loglevel",
-                    "INFO",
-                    "--concurrency",
-                    "2",
-                ],
-                env,
-            )
-        )
-        services.append(
-            Service(
-                "daphne",
-                [sys.executable, "-m", "daphne", "-b", host, "-p", str(port), "hostproject.asgi:application"],
-                env,
-            )
-        )
+        celery_cmd = [python, "-m", "celery", "-A", "hostproject", "worker", "--loglevel", "INFO"]
+        services.append(Service("celery", [*celery_cmd, "--concurrency", "2"], env, log_dir))
+        fd = listener.fileno()
+        web_cmd = [python, "-m", "hostproject.server", "--fd", str(fd), "hostproject.asgi:application"]
+        for worker in range(1, web_workers + 1):
+            services.append(Service(f"web-{worker}", web_cmd, env, log_dir, pass_fds=(fd,)))
         base_url = f"http://{host}:{port}"
-        print(f"Starting the engine with {MODEL_NAME} (logs in {LOG_DIR}) …", flush=True)
-        _wait_ready(base_url, services)
+        print(f"Starting the engine with {MODEL_NAME} (logs in {log_dir}) …", flush=True)
+        _wait_ready(base_url, services, log_dir)
         print(
             f"\nllmserve is up:\n  Chat   {base_url}/chat/\n  Admin  {base_url}/admin/\n"
             f"  API    {base_url}/v1/  (OpenAI-compatible; create an API key in the admin)\n"
@@ -207,26 +265,30 @@ def run(host: str, port: int) -> None:
         )
         while True:
             for service in services:
-                service.check()
-            time.sleep(0.5)
+                service.keep_alive()
+            time.sleep(0.2)
     finally:
         # No second interrupt may cut the cleanup short.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         for service in reversed(services):
             service.stop()
+        listener.close()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="scripts/run", description=__doc__.split("\n\n")[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=int(os.environ.get("PORT") or 8000))
+    parser.add_argument(
+        "--web-workers", type=int, default=int(os.environ.get("LLMSERVE_WEB_WORKERS") or 1), metavar="N"
+    )
     args = parser.parse_args(argv)
     # SIGINT too: a shell that starts us in the background has set it to "ignore", and we inherit that.
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        run(args.host, args.port)
+        run(args.host, args.port, max(1, args.web_workers))
     except KeyboardInterrupt:
         print("\nStopped.", flush=True)
         return 0

@@ -6,7 +6,10 @@ database, Redis and secret without editing files:
 ``DJANGO_SECRET_KEY``   default: a random key generated once into ``var/secret_key`` (never committed)
 ``DJANGO_DEBUG``        ``1`` for development
 ``DJANGO_ALLOWED_HOSTS`` comma-separated; default: localhost only
-``LLMSERVE_DB_PATH``    SQLite database file (default: ``db.sqlite3`` in the repository)
+``DATABASE_URL``        the database, e.g. ``postgres://user:password@host:5432/llmserve`` (PostgreSQL is the
+                        production choice: several web and Celery processes write at once); unset: SQLite
+``LLMSERVE_DB_POOL_SIZE`` PostgreSQL connections per process (default 8; requests wait for a free one)
+``LLMSERVE_DB_PATH``    SQLite database file when ``DATABASE_URL`` is unset (default: ``db.sqlite3`` here)
 ``LLMSERVE_REDIS_URL``  Redis of the request bus (also Celery's broker unless ``CELERY_BROKER_URL`` is set)
 ``LLMSERVE_OPEN_ACCESS`` ``1`` serves the API without API keys
 """
@@ -14,6 +17,8 @@ database, Redis and secret without editing files:
 import os
 import secrets
 from pathlib import Path
+
+import dj_database_url
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -77,14 +82,22 @@ TEMPLATES = [
 
 ASGI_APPLICATION = "hostproject.asgi.application"
 
-DATABASES = {
-    "default": {
-        "ENGINE": "django.db.backends.sqlite3",
-        "NAME": os.environ.get("LLMSERVE_DB_PATH") or BASE_DIR / "db.sqlite3",
-        # Async views and Celery workers write concurrently: wait for the lock instead of failing at once.
-        "OPTIONS": {"timeout": 20},
+if os.environ.get("DATABASE_URL"):
+    DATABASES = {"default": dj_database_url.config()}
+    if DATABASES["default"]["ENGINE"].endswith("postgresql"):
+        # Each ASGI request runs its queries in a thread of its own; without a pool, a crowd of requests would
+        # open as many connections as the server allows and fail past that. With it they wait for one.
+        pool_size = int(os.environ.get("LLMSERVE_DB_POOL_SIZE", "8"))
+        DATABASES["default"]["OPTIONS"] = {"pool": {"min_size": 1, "max_size": pool_size, "timeout": 60}}
+else:
+    DATABASES = {
+        "default": {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": os.environ.get("LLMSERVE_DB_PATH") or BASE_DIR / "db.sqlite3",
+            # Async views and Celery workers write concurrently: wait for the lock instead of failing at once.
+            "OPTIONS": {"timeout": 20},
+        }
     }
-}
 
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
@@ -108,9 +121,18 @@ LLMSERVE = {
     "OPEN_ACCESS": os.environ.get("LLMSERVE_OPEN_ACCESS", "") == "1",
 }
 
-# One process serves the API in the standalone setup, so a local-memory cache holds rate-limit counters;
-# a multi-process deployment points CACHES (and LLMSERVE["RATE_LIMIT_CACHE"]) at Redis instead.
-CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
+# Rate-limit counters live in the cache: Redis (the bus's), so that every web process counts against one
+# limit. Local memory only without a Redis URL (in-process tests).
+if REDIS_URL:
+    CACHES = {
+        "default": {
+            "BACKEND": "django.core.cache.backends.redis.RedisCache",
+            "LOCATION": REDIS_URL,
+            "KEY_PREFIX": "llmserve-cache",
+        }
+    }
+else:
+    CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
 
 CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
 

@@ -19,7 +19,7 @@ import threading
 from typing import Any
 
 from inference_engine.bus import protocol as P
-from inference_engine.bus.redis_server import ensure_redis_url
+from inference_engine.bus.redis_server import RedisServer, ensure_redis_url
 
 ENGINE_FLAGS: list[tuple[str, type]] = [
     ("--max-num-seqs", int),
@@ -78,16 +78,27 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_flags(serve)
     serve.add_argument("--max-inflight", type=int, help="requests taken at once (default: --max-num-seqs)")
     serve.add_argument("--shutdown-grace", type=float, default=10.0)
+    serve.add_argument(
+        "--standby",
+        action="store_true",
+        help="load the model, then wait for SIGUSR1 before serving (a spare)",
+    )
     _add_bus_flags(serve)
 
     supervise = commands.add_parser("supervise", help="load / unload models on control messages")
     supervise.add_argument("--name", default="default", help="supervisor name (its control stream)")
     supervise.add_argument("--model", help="a model to load at start (with --served-model-name)")
     supervise.add_argument("--served-model-name")
+    supervise.add_argument(
+        "--spares", action="store_true", help="keep a loaded standby process per model for instant failover"
+    )
     _add_engine_flags(supervise)  # defaults for every engine it starts; a load message's engine_args win
     _add_bus_flags(supervise)
 
-    commands.add_parser("redis", help="run a private redis-server until interrupted")
+    redis = commands.add_parser(
+        "redis", help="run a private redis-server until interrupted (or until it dies)"
+    )
+    redis.add_argument("--port", type=int, help="default: a free port")
     return parser
 
 
@@ -104,11 +115,23 @@ def serve(args: argparse.Namespace) -> None:
     from inference_engine.config import EngineConfig
     from inference_engine.llm_engine import LLMEngine
 
+    promoted = threading.Event()
+    if args.standby:  # before the model loads: an early SIGUSR1 must not kill us
+        signal.signal(signal.SIGUSR1, lambda *_: promoted.set())
     if args.threads:
         torch.set_num_threads(args.threads)
     url, _server = ensure_redis_url(args.redis_url)
     config = EngineConfig(model=args.model, served_model_name=args.served_model_name, **_engine_options(args))
     engine = LLMEngine(config)
+    if args.standby:
+        stopped = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stopped.set())
+        print("standing by (SIGUSR1 puts this process on the bus)", file=sys.stderr, flush=True)
+        while not (promoted.wait(0.2) or stopped.is_set()):
+            pass
+        if stopped.is_set():
+            return
     settings = ServeSettings(
         prefix=args.prefix,
         heartbeat_interval=args.heartbeat_interval,
@@ -129,7 +152,7 @@ def supervise(args: argparse.Namespace) -> None:
     if args.threads:
         extra += ["--threads", str(args.threads)]
     supervisor = Supervisor(
-        url, args.name, args.prefix, extra, args.heartbeat_interval, _engine_options(args)
+        url, args.name, args.prefix, extra, args.heartbeat_interval, _engine_options(args), args.spares
     )
     if args.model or args.served_model_name:
         supervisor.load(args.served_model_name or "default", args.model, {})
@@ -137,18 +160,29 @@ def supervise(args: argparse.Namespace) -> None:
     _run_until_signal(supervisor.stop, supervisor.run)
 
 
-def redis_only() -> None:
-    url, _server = ensure_redis_url(None)
-    print(url, flush=True)
+def redis_only(port: int | None) -> int:
+    """Prints the URL, then waits; exits (non-zero) as soon as redis-server dies, reaping it, so that whoever
+    started this command sees the death and can restart it on the same port."""
+    server = RedisServer(port=port).start()
+    print(server.url, flush=True)
     done = threading.Event()
-    _run_until_signal(done.set, lambda: done.wait())
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    try:
+        while not done.wait(0.2):
+            if server.process is None or server.process.poll() is not None:
+                code = server.process.returncode if server.process else None
+                print(f"redis-server exited with {code}", file=sys.stderr, flush=True)
+                return 1
+    finally:
+        server.stop()
+    return 0
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.command == "redis":
-        redis_only()
-        return
+        sys.exit(redis_only(args.port))
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -29,6 +29,8 @@ def client_settings() -> ClientSettings:
         ack_timeout=float(conf.get("ACK_TIMEOUT")),
         stream_timeout=float(conf.get("STREAM_TIMEOUT")),
         max_queue=int(conf.get("MAX_QUEUE")),
+        max_connections=int(conf.get("REDIS_MAX_CONNECTIONS")),
+        pool_timeout=float(conf.get("REDIS_POOL_TIMEOUT")),
     )
 
 

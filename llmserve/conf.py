@@ -21,7 +21,12 @@ Keys (all optional; defaults in `DEFAULTS`):
                          full, as vLLM does. A number bounds how long one request may hold a batch slot.
 ``ACK_TIMEOUT``          Seconds to wait for an engine to accept a request before answering 503.
 ``STREAM_TIMEOUT``       Seconds of silence from a running request before giving up on it.
-``MAX_QUEUE``            Bus backlog per model beyond which requests get 429.
+``MAX_QUEUE``            Bus backlog per model (requests queued or running) beyond which requests get 429 with
+                         ``Retry-After``; below it a request waits for an engine slot (up to ``ACK_TIMEOUT``).
+``REDIS_MAX_CONNECTIONS`` Redis connections of one bus client (one per web process and event loop, one per
+                         Celery worker process). Requests share them: a request waiting for an engine holds
+                         none.
+``REDIS_POOL_TIMEOUT``   Seconds a request waits for a free Redis connection before 429 with ``Retry-After``.
 ``RETRY_AFTER``          Seconds suggested in ``Retry-After`` for 429 (overload) and 503 answers.
 ``SUPERVISOR``           Name of the engine supervisor that admin load / unload actions address.
 ``ENGINE_THREADS``       Torch threads of engines started by ``manage.py llmserve_engine`` (``None``: torch's
@@ -63,6 +68,8 @@ DEFAULTS: dict[str, Any] = {
     "ACK_TIMEOUT": 60.0,
     "STREAM_TIMEOUT": 60.0,
     "MAX_QUEUE": 1024,
+    "REDIS_MAX_CONNECTIONS": 32,
+    "REDIS_POOL_TIMEOUT": 30.0,
     "RETRY_AFTER": 1,
     "SUPERVISOR": "default",
     "ENGINE_THREADS": None,

@@ -16,7 +16,9 @@ still arriving: cancelling the task aborts the engine request, which frees its K
 
 Who may chat: an API key (offered as the subprotocol ``llmserve.key.<key>`` — browsers cannot set headers
 on a WebSocket — or an ``Authorization: Bearer`` header), else the session's logged-in user, else anyone
-when ``LLMSERVE["CHAT_LOGIN_REQUIRED"]`` is False. Every chat message counts against the caller's rate limit,
+when ``LLMSERVE["CHAT_LOGIN_REQUIRED"]`` is False. A client that sends no ``Origin`` header is a program, not
+a browser page (`llmserve.routing.SameOriginValidator` checks the header of those that do): it must bring an
+API key. Every chat message counts against the caller's rate limit,
 as every REST request does. The server always answers with the subprotocol ``llmserve.chat``, never echoing
 a key.
 """
@@ -30,7 +32,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from asgiref.sync import sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
+from django.db import close_old_connections
 
 from inference_engine.bus.protocol import RequestDelta
 from inference_engine.errors import EngineError, ModelNotFoundError
@@ -194,6 +198,7 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
         config = await ModelConfig.objects.filter(name=request.model).afirst()
         if config is not None and not config.enabled:
             raise ChatError("model_not_found", f"The model `{request.model}` is disabled.", "model")
+        await sync_to_async(close_old_connections)()  # as REST does: no connection held while streaming
         self.answer = Answer(content.get("id"), request.model)
         self.task = asyncio.create_task(self._stream(self.answer, request, configured=config is not None))
 
@@ -271,6 +276,8 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
         address = (self.scope.get("client") or ["-"])[0]
         if key is not None:
             return await aauthenticate(f"Bearer {key}", address)
+        if b"origin" not in dict(self.scope.get("headers", ())):
+            raise AuthenticationFailed("Programs (clients sending no Origin header) connect with an API key.")
         user = self.scope.get("user")
         if user is not None and user.is_authenticated:
             return Principal(None, f"user:{user.pk}", conf.get("DEFAULT_RATE_LIMIT"))

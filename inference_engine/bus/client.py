@@ -6,22 +6,34 @@ of `inference_engine.errors` before any delta. Every wait is bounded: while wait
 that some replica of the model is still alive and gives up with `EngineUnavailableError` when none is, or
 when nothing arrives within the timeout. Leaving an iteration early, cancelling it, or calling `abort()`
 aborts the request in the engine. No torch here: the web tier imports this.
+
+Every operation is written once, in `_Core`, as a generator that yields the Redis commands of each round trip
+and receives their results; `EngineClient` runs them with redis-py's blocking client, `AsyncEngineClient`
+with its asyncio client. Both use a bounded connection pool that makes a request wait (up to
+`pool_timeout`) for a free connection rather than fail. The async client reads the output streams of all its
+requests through one `XREAD` (`_OutputReader`), so requests queued behind a busy engine wait on an asyncio
+queue, not on a Redis connection each: a thousand waiting clients cost one connection.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 import os
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import AsyncIterator, Generator, Iterator
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import redis
 import redis.asyncio as aredis
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
 from inference_engine.bus import protocol as P
 from inference_engine.bus.redis_server import REDIS_URL_ENV
@@ -35,7 +47,11 @@ from inference_engine.errors import (
 from inference_engine.outputs import CompletionOutput
 from inference_engine.sampling_params import SamplingParams
 
+log = logging.getLogger(__name__)
+
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+LIVE_CACHE_SECONDS = 0.5
+T = TypeVar("T")
 
 
 @dataclass
@@ -48,6 +64,8 @@ class ClientSettings:
     # for interactive requests, both streams' together for low-priority ones (see `protocol`).
     max_queue: int = 1024
     id_ttl: int = 3600  # seconds a request id stays reserved
+    max_connections: int = 32  # Redis connections of one client, shared by all its requests
+    pool_timeout: float = 30.0  # longest wait for a free connection before a call fails as overloaded
 
 
 @dataclass
@@ -66,44 +84,206 @@ class Tokenized:
     max_model_len: int | None
 
 
-def _request_message(
-    kind: str, request_id: str, prompt: str | list[int] | None, messages: list[dict] | None, **extra: Any
-) -> dict[str, Any]:
-    message: dict[str, Any] = {"type": kind, "id": request_id, **extra}
+# ------------------------------------------------------------------------------------ the shared core
+
+Command = tuple[str, tuple[Any, ...], dict[str, Any]]  # a redis-py method name and its arguments
+Op = Generator[list[Command], list[Any], T]  # yields each round trip's commands, receives their results
+
+
+def _cmd(name: str, *args: Any, **kwargs: Any) -> Command:
+    return (name, args, kwargs)
+
+
+# Admission in one atomic step, so concurrent submits never overshoot the backlog bound: refuse when the
+# counted streams' backlog has reached the limit, refuse a reused request id, else queue the entry.
+# KEYS: request-id key, target stream, counted streams...  ARGV: limit (-1: none), model, id ttl, entry.
+_ADMIT = f"""
+local limit = tonumber(ARGV[1])
+if limit >= 0 then
+  local backlog = 0
+  for i = 3, #KEYS do backlog = backlog + redis.call('XLEN', KEYS[i]) end
+  if backlog >= limit then return 'overloaded' end
+end
+if not redis.call('SET', KEYS[1], ARGV[2], 'NX', 'EX', ARGV[3]) then return 'duplicate' end
+redis.call('XADD', KEYS[2], '*', '{P.FIELD}', ARGV[4])
+return 'ok'
+"""
+
+
+class _Core:
+    """The bus operations, free of I/O: each yields the commands of one round trip at a time."""
+
+    def __init__(self, settings: ClientSettings) -> None:
+        self.settings = settings
+        self.keys = P.Keys(settings.prefix)
+        self._output_prefix = self.keys.output("")
+        self._seen_live: dict[str, float] = {}  # model -> when a live replica of it was last seen
+
+    def live_replicas(self, model: str) -> Op[list[str]]:
+        (members,) = yield [_cmd("smembers", self.keys.replicas(model))]
+        replica_ids = sorted(members)
+        beats = (yield [_cmd("mget", [self.keys.replica(r) for r in replica_ids])])[0] if replica_ids else []
+        live = [r for r, beat in zip(replica_ids, beats, strict=True) if beat is not None]
+        if live:
+            self._seen_live[model] = time.monotonic()
+        else:
+            self._seen_live.pop(model, None)
+        return live
+
+    def served(self, model: str) -> Op[bool]:
+        """Whether a replica serves `model`, taking a sighting of the last `LIVE_CACHE_SECONDS` as a yes: a
+        burst of submissions then costs one round trip each. (A replica that died since is noticed by the
+        request's own wait, `check_waiting`, which always looks afresh.)"""
+        if time.monotonic() - self._seen_live.get(model, -LIVE_CACHE_SECONDS) < LIVE_CACHE_SECONDS:
+            return True
+        return bool((yield from self.live_replicas(model)))
+
+    def submit(self, model: str, message: P.Generate | P.Tokenize | P.Detokenize) -> Op[None]:
+        """Queue a request: generations on the stream of their priority, bounded by `max_queue` (interactive
+        ones count only the interactive stream, so a bulk backlog never refuses them; low-priority ones count
+        both, so bulk never grows the total past the bound); tokenizer requests on the utility stream."""
+        if isinstance(message, P.Generate):
+            stream = self.keys.request_stream(model, message.priority)
+            interactive = self.keys.requests(model)
+            counted = (stream,) if stream == interactive else (interactive, stream)
+            limit = self.settings.max_queue
+        else:
+            stream, counted, limit = self.keys.utility(model), (), -1
+        if not (yield from self.served(model)):
+            raise ModelNotFoundError(f"model {model!r} is not served by any live engine.")
+        keys = (self.keys.request_id(message.id), stream, *counted)
+        entry = P.encode(message)[P.FIELD]
+        (verdict,) = yield [_cmd("eval", _ADMIT, len(keys), *keys, limit, model, self.settings.id_ttl, entry)]
+        if verdict == "overloaded":
+            raise EngineOverloadedError(f"model {model!r} has {limit} requests queued; retry later.")
+        if verdict == "duplicate":
+            raise InvalidRequestError(f"duplicate request id {message.id!r}.")
+
+    def abort(self, model: str, request_id: str) -> Op[None]:
+        yield [
+            _cmd("set", self.keys.abort(request_id), 1, ex=self.settings.id_ttl),
+            _cmd(
+                "xadd",
+                self.keys.aborts(model),
+                {"id": request_id},
+                maxlen=P.ABORT_STREAM_MAXLEN,
+                approximate=True,
+            ),
+        ]
+
+    def read(
+        self, positions: dict[str, str], block_ms: int | None
+    ) -> Op[dict[str, list[tuple[str, P.Message]]]]:
+        """New output entries of the requests in `positions` (request id -> last entry id seen)."""
+        streams = {self.keys.output(rid): last for rid, last in positions.items()}
+        (reply,) = yield [_cmd("xread", streams, count=256, block=block_ms)]
+        found: dict[str, list[tuple[str, P.Message]]] = {}
+        for key, entries in reply.items() if isinstance(reply, dict) else reply or ():
+            rid = key[len(self._output_prefix) :]
+            found[rid] = [(entry_id, P.parse(fields)) for entry_id, fields in entries]
+        return found
+
+    def request_known(self, request_id: str, started: bool) -> Op[bool]:
+        """Whether Redis still holds the request (its id key, and its output stream once it has one); both
+        vanish when Redis restarts without persistence, which the engine cannot tell the client about."""
+        keys = [self.keys.request_id(request_id)] + ([self.keys.output(request_id)] if started else [])
+        (count,) = yield [_cmd("exists", *keys)]
+        return count == len(keys)
+
+    def check_waiting(self, model: str, request_id: str, started: bool) -> Op[None]:
+        """Raises when waiting longer for this request is pointless: no replica left, or Redis forgot it."""
+        if not (yield from self.live_replicas(model)):
+            raise EngineUnavailableError(f"no live engine replica for model {model!r}.")
+        if not (yield from self.request_known(request_id, started)):
+            raise EngineUnavailableError("the request bus lost the state of this request (Redis restarted?).")
+
+    def list_models(self) -> Op[list[P.ModelInfo]]:
+        """Served models with at least one live replica, and their heartbeats."""
+        (names,) = yield [_cmd("smembers", self.keys.models)]
+        names = sorted(names)
+        if not names:
+            return []
+        members = yield [_cmd("smembers", self.keys.replicas(name)) for name in names]
+        replica_ids = [sorted(m) for m in members]
+        flat = [self.keys.replica(r) for ids in replica_ids for r in ids]
+        beats = (yield [_cmd("mget", flat)])[0] if flat else []
+        models, beats = [], iter(beats)
+        for name, ids in zip(names, replica_ids, strict=True):
+            replicas = [P.ReplicaInfo(r, name, json.loads(b)) for r in ids if (b := next(beats)) is not None]
+            if replicas:
+                models.append(P.ModelInfo(name, replicas))
+        return models
+
+    def control(self, supervisor: str, message: P.Load | P.Unload) -> Op[None]:
+        (alive,) = yield [_cmd("exists", self.keys.supervisor(supervisor))]
+        if not alive:
+            raise EngineUnavailableError(f"no live engine supervisor named {supervisor!r}.")
+        yield [_cmd("xadd", self.keys.control(supervisor), P.encode(message))]
+
+
+def _prompt_fields(prompt: str | list[int] | None, messages: list[dict] | None) -> dict[str, Any]:
     if (prompt is None) == (messages is None):
         raise InvalidRequestError("give exactly one of prompt and messages.")
     if messages is not None:
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise InvalidRequestError("messages must be a list of {'role': ..., 'content': ...} objects.")
-        message["messages"] = messages
-    elif isinstance(prompt, str):
-        message["prompt"] = prompt
-    else:
-        message["prompt_token_ids"] = [int(t) for t in prompt]
+        return {"messages": messages}
+    if isinstance(prompt, str):
+        return {"prompt": prompt}
+    return {"prompt_token_ids": [int(t) for t in prompt]}
+
+
+def _generate_message(
+    prompt: str | list[int] | None,
+    params: SamplingParams | dict | None,
+    messages: list[dict] | None,
+    request_id: str | None,
+    priority: int,
+) -> P.Generate:
+    if params is None:
+        params = SamplingParams()
+    elif not isinstance(params, SamplingParams):
+        params = SamplingParams.from_dict(params)
+    return P.Generate(
+        id=request_id or uuid.uuid4().hex,
+        params=params.to_dict(),
+        priority=int(priority),
+        arrival_time=time.time(),
+        **_prompt_fields(prompt, messages),
+    )
+
+
+def _answer(message: P.Message) -> P.Result:
+    """The result of a tokenizer request."""
+    if isinstance(message, P.Error):
+        raise message.exception()
+    assert isinstance(message, P.Result), message
     return message
 
 
-def _params(params: SamplingParams | dict | None) -> SamplingParams:
-    if params is None:
-        return SamplingParams()
-    return params if isinstance(params, SamplingParams) else SamplingParams.from_dict(params)
+def _bus_error(exc: redis.RedisError) -> EngineError:
+    """A Redis failure as the engine error the front ends report; its details (addresses) go to the log."""
+    if isinstance(exc, redis.ConnectionError) and "No connection available" in str(exc):
+        return EngineOverloadedError("too many requests are waiting for the request bus; retry later.")
+    log.warning("request bus error: %s", exc)
+    return EngineUnavailableError("lost the connection to the request bus.")
 
 
-def _models_from(keys_rows: list[tuple[str, list[str | None]]]) -> list[P.ModelInfo]:
-    models = []
-    for name, (replica_ids, values) in keys_rows:
-        replicas = [
-            P.ReplicaInfo(rid, name, json.loads(v))
-            for rid, v in zip(replica_ids, values, strict=True)
-            if v is not None
-        ]
-        if replicas:
-            models.append(P.ModelInfo(name, replicas))
-    return models
+def _pool_kwargs(settings: ClientSettings, retry: type[Retry] | type[AsyncRetry]) -> dict[str, Any]:
+    return {
+        "decode_responses": True,
+        "max_connections": settings.max_connections,
+        "timeout": settings.pool_timeout,
+        "socket_timeout": 10,
+        "socket_connect_timeout": 5,
+        # A few quick reconnects, so a restarted Redis is found again without failing the call.
+        "retry": retry(ExponentialBackoff(cap=0.2, base=0.02), retries=3),
+        "retry_on_error": [redis.ConnectionError],
+    }
 
 
 class _Accumulator:
-    """Turns decoded output entries into deltas and remembers enough to build a `GenerationResult`."""
+    """Turns output messages into deltas and remembers enough to build a `GenerationResult`."""
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
@@ -112,17 +292,17 @@ class _Accumulator:
         self.outputs: dict[int, CompletionOutput] = {}
         self.usage: P.Usage | None = None
 
-    def feed(self, message: dict[str, Any]) -> P.RequestDelta | None:
-        kind = message["type"]
-        if kind == P.ACK:
-            if self.prompt_tokens is None:
-                self.prompt_tokens = message["prompt_tokens"]
+    def feed(self, message: P.Message) -> P.RequestDelta | None:
+        if isinstance(message, P.Ack):
+            if self.prompt_tokens is None:  # a request re-run after a crash may be acknowledged twice
+                self.prompt_tokens = message.prompt_tokens
             return None
-        if kind in (P.ERROR, P.RESULT):
+        if isinstance(message, P.Error | P.Result):
             self.finished = True
-            if kind == P.ERROR:
-                P.raise_error(message)
+            if isinstance(message, P.Error):
+                raise message.exception()
             return None
+        assert isinstance(message, P.Delta | P.Final), message
         delta = P.delta_from_message(self.request_id, message)
         for d in delta.outputs:
             out = self.outputs.setdefault(d.index, CompletionOutput(d.index, "", []))
@@ -144,45 +324,17 @@ class _Accumulator:
 class _Waiter:
     """Deadline bookkeeping shared by the sync and async read loops."""
 
-    def __init__(self, timeout: float, model: str, request_id: str) -> None:
+    def __init__(self, timeout: float, model: str) -> None:
         self.deadline = time.monotonic() + timeout
-        self.timeout, self.model, self.request_id = timeout, model, request_id
+        self.timeout, self.model = timeout, model
 
-    def block_ms(self, poll: float) -> int:
+    def block_s(self, poll: float) -> float:
         remaining = self.deadline - time.monotonic()
         if remaining <= 0:
             raise EngineUnavailableError(
-                f"no answer from the engine for model {self.model!r} within {self.timeout:g}s "
-                f"(request {self.request_id})."
+                f"no answer from the engine for model {self.model!r} within {self.timeout:g}s."
             )
-        return max(1, int(min(remaining, poll) * 1000))
-
-    def dead(self) -> EngineUnavailableError:
-        return EngineUnavailableError(
-            f"no live engine replica for model {self.model!r} (request {self.request_id})."
-        )
-
-
-def _request_streams(keys: P.Keys, model: str, priority: int) -> tuple[str, tuple[str, ...]]:
-    """The stream a generation of `priority` goes to, and the streams whose backlog bounds its admission:
-    interactive requests count only the interactive stream (a bulk backlog never refuses them), low-priority
-    ones count both (bulk never grows the model's total backlog past `max_queue`). See `protocol`."""
-    stream = keys.request_stream(model, priority)
-    if stream == keys.requests(model):
-        return stream, (stream,)
-    return stream, (keys.requests(model), stream)
-
-
-def _overloaded(model: str, backlog: int) -> EngineOverloadedError:
-    return EngineOverloadedError(f"model {model!r} has {backlog} requests queued; retry later.")
-
-
-def _forgotten(request_id: str) -> EngineUnavailableError:
-    return EngineUnavailableError(f"Redis lost the state of request {request_id} (restarted or flushed?).")
-
-
-def _lost(exc: Exception) -> EngineUnavailableError:
-    return EngineUnavailableError(f"lost the connection to Redis: {exc}")
+        return max(0.001, min(remaining, poll))
 
 
 class _StreamState:
@@ -191,7 +343,7 @@ class _StreamState:
     def __init__(self, client: EngineClient | AsyncEngineClient, model: str, request_id: str) -> None:
         self.client, self.model, self.request_id = client, model, request_id
         self._acc = _Accumulator(request_id)
-        self._buffer: deque[dict[str, Any]] = deque()
+        self._buffer: deque[P.Message] = deque()
         self._last_id = "0-0"
 
     @property
@@ -202,10 +354,13 @@ class _StreamState:
     def finished(self) -> bool:
         return self._acc.finished
 
-    def _take(self, reply: list | None) -> None:
-        for entry_id, fields in reply[0][1] if reply else ():
+    def _take(self, entries: list[tuple[str, P.Message]]) -> None:
+        for entry_id, message in entries:
             self._last_id = entry_id
-            self._buffer.append(P.decode(fields))
+            self._buffer.append(message)
+
+    def _check_waiting(self) -> Op[None]:
+        return self.client._core.check_waiting(self.model, self.request_id, self._last_id != "0-0")
 
 
 # --------------------------------------------------------------------------------------------------- sync
@@ -215,21 +370,18 @@ class GenerationStream(_StreamState):
     """A submitted, acknowledged generation. Iterate it for `RequestDelta`s; use it as a context manager (or
     call `abort()`) to make sure an abandoned request is aborted in the engine."""
 
-    def _next(self, timeout: float) -> dict[str, Any]:
-        waiter = _Waiter(timeout, self.model, self.request_id)
-        key = self.client.keys.output(self.request_id)
-        try:
-            while not self._buffer:
-                block = waiter.block_ms(self.client.settings.poll_interval)
-                reply = self.client.redis.xread({key: self._last_id}, count=256, block=block)
-                self._take(reply)
-                if not reply:
-                    if not self.client.live_replicas(self.model):
-                        raise waiter.dead()
-                    if not self.client.request_known(self.request_id, started=self._last_id != "0-0"):
-                        raise _forgotten(self.request_id)
-        except redis.RedisError as exc:
-            raise _lost(exc) from exc
+    client: EngineClient
+
+    def _next(self, timeout: float) -> P.Message:
+        waiter = _Waiter(timeout, self.model)
+        while not self._buffer:
+            block = waiter.block_s(self.client.settings.poll_interval)
+            found = self.client._run(
+                self.client._core.read({self.request_id: self._last_id}, int(block * 1000))
+            )
+            self._take(found.get(self.request_id, []))
+            if not found:
+                self.client._run(self._check_waiting())
         return self._buffer.popleft()
 
     def _wait_ack(self) -> None:
@@ -276,14 +428,34 @@ class EngineClient:
         self, redis_url: str | None = None, *, settings: ClientSettings | None = None, **overrides: Any
     ) -> None:
         self.settings = settings or ClientSettings(**overrides)
-        self.keys = P.Keys(self.settings.prefix)
+        self._core = _Core(self.settings)
+        self.keys = self._core.keys
         url = redis_url or os.environ.get(REDIS_URL_ENV, DEFAULT_REDIS_URL)
-        self.redis = redis.Redis.from_url(
-            url, decode_responses=True, socket_timeout=10, socket_connect_timeout=5
-        )
+        pool = redis.BlockingConnectionPool.from_url(url, **_pool_kwargs(self.settings, Retry))
+        self.redis = redis.Redis(connection_pool=pool)
 
     def close(self) -> None:
         self.redis.close()
+        self.redis.connection_pool.disconnect()
+
+    def _run(self, op: Op[T]) -> T:
+        """Runs one operation of the core: each round trip as one command or one pipeline."""
+        try:
+            commands = next(op)
+            while True:
+                if len(commands) == 1:
+                    name, args, kwargs = commands[0]
+                    results = [getattr(self.redis, name)(*args, **kwargs)]
+                else:
+                    with self.redis.pipeline(transaction=False) as pipe:
+                        for name, args, kwargs in commands:
+                            getattr(pipe, name)(*args, **kwargs)
+                        results = pipe.execute()
+                commands = op.send(results)
+        except StopIteration as done:
+            return done.value
+        except redis.RedisError as exc:
+            raise _bus_error(exc) from exc
 
     def generate(
         self,
@@ -300,75 +472,34 @@ class EngineClient:
         `prompt` is text or token ids; `messages` (chat) is rendered with the engine's chat template.
         `priority`: lower runs earlier (interactive 0, bulk jobs e.g. 10).
         """
-        request_id = request_id or uuid.uuid4().hex
-        message = _request_message(
-            P.GENERATE,
-            request_id,
-            prompt,
-            messages,
-            params=_params(params).to_dict(),
-            priority=int(priority),
-            arrival_time=time.time(),
-        )
-        stream = GenerationStream(self, model, request_id)
-        self._submit(
-            model,
-            *_request_streams(self.keys, model, int(priority)),
-            message,
-            backlog_limit=self.settings.max_queue,
-        )
+        message = _generate_message(prompt, params, messages, request_id, priority)
+        self._run(self._core.submit(model, message))
+        stream = GenerationStream(self, model, message.id)
         stream._wait_ack()
         return stream
 
     def tokenize(
         self, model: str, prompt: str | None = None, *, messages: list[dict] | None = None
     ) -> Tokenized:
-        message = self._call(model, _request_message(P.TOKENIZE, uuid.uuid4().hex, prompt, messages))
-        return Tokenized(message["token_ids"], message.get("max_model_len"))
+        result = self._call(model, P.Tokenize(uuid.uuid4().hex, **_prompt_fields(prompt, messages)))
+        return Tokenized(result.token_ids, result.max_model_len)
 
     def detokenize(self, model: str, token_ids: list[int]) -> str:
-        message = {"type": P.DETOKENIZE, "id": uuid.uuid4().hex, "token_ids": list(token_ids)}
-        return self._call(model, message)["text"]
+        return self._call(model, P.Detokenize(uuid.uuid4().hex, list(token_ids))).text
 
     def abort(self, model: str, request_id: str) -> None:
         """Abort a request wherever it is (queued or running); idempotent, unknown ids are harmless."""
-        try:
-            with self.redis.pipeline(transaction=False) as pipe:
-                pipe.set(self.keys.abort(request_id), 1, ex=self.settings.id_ttl)
-                pipe.xadd(
-                    self.keys.aborts(model),
-                    {"id": request_id},
-                    maxlen=P.ABORT_STREAM_MAXLEN,
-                    approximate=True,
-                )
-                pipe.execute()
-        except redis.RedisError as exc:
-            raise _lost(exc) from exc
+        self._run(self._core.abort(model, request_id))
 
     def request_known(self, request_id: str, started: bool) -> bool:
-        """Whether Redis still holds the request (its id key, and its output stream once it has one); both
-        vanish when Redis restarts without persistence, which the engine cannot tell the client about."""
-        keys = [self.keys.request_id(request_id)] + ([self.keys.output(request_id)] if started else [])
-        return self.redis.exists(*keys) == len(keys)
+        return self._run(self._core.request_known(request_id, started))
 
     def live_replicas(self, model: str) -> list[str]:
-        replica_ids = sorted(self.redis.smembers(self.keys.replicas(model)))
-        if not replica_ids:
-            return []
-        exists = self.redis.mget([self.keys.replica(r) for r in replica_ids])
-        return [r for r, v in zip(replica_ids, exists, strict=True) if v is not None]
+        return self._run(self._core.live_replicas(model))
 
     def list_models(self) -> list[P.ModelInfo]:
         """Served models with at least one live replica, and their heartbeats."""
-        try:
-            rows = []
-            for name in sorted(self.redis.smembers(self.keys.models)):
-                replica_ids = sorted(self.redis.smembers(self.keys.replicas(name)))
-                values = self.redis.mget([self.keys.replica(r) for r in replica_ids]) if replica_ids else []
-                rows.append((name, (replica_ids, values)))
-        except redis.RedisError as exc:
-            raise _lost(exc) from exc
-        return _models_from(rows)
+        return self._run(self._core.list_models())
 
     def load_model(
         self,
@@ -381,23 +512,14 @@ class EngineClient:
     ) -> None:
         """Ask a supervisor to start an engine serving `model` (path; None = bundled default) as `name`.
         With `timeout`, wait until a replica of it is live."""
-        self._check_supervisor(supervisor)
-        self.redis.xadd(
-            self.keys.control(supervisor),
-            P.encode({"type": P.LOAD, "name": name, "model": model, "engine_args": engine_args or {}}),
-        )
+        self._run(self._core.control(supervisor, P.Load(name, model, engine_args or {})))
         if timeout is not None:
             self._wait_for(lambda: bool(self.live_replicas(name)), timeout, f"model {name!r} to load")
 
     def unload_model(self, name: str, *, supervisor: str = "default", timeout: float | None = None) -> None:
-        self._check_supervisor(supervisor)
-        self.redis.xadd(self.keys.control(supervisor), P.encode({"type": P.UNLOAD, "name": name}))
+        self._run(self._core.control(supervisor, P.Unload(name)))
         if timeout is not None:
             self._wait_for(lambda: not self.live_replicas(name), timeout, f"model {name!r} to unload")
-
-    def _check_supervisor(self, supervisor: str) -> None:
-        if not self.redis.exists(self.keys.supervisor(supervisor)):
-            raise EngineUnavailableError(f"no live engine supervisor named {supervisor!r}.")
 
     def _wait_for(self, condition: Any, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
@@ -406,75 +528,99 @@ class EngineClient:
                 raise EngineUnavailableError(f"timed out after {timeout:g}s waiting for {what}.")
             time.sleep(0.1)
 
-    def _submit(
-        self,
-        model: str,
-        stream_key: str,
-        counted: tuple[str, ...],
-        message: dict[str, Any],
-        backlog_limit: int | None,
-    ) -> None:
-        """Queue `message` on `stream_key`, refused as overloaded when the `counted` streams' backlog (their
-        XLEN together) has reached `backlog_limit`."""
-        request_id = message["id"]
-        try:
-            if not self.live_replicas(model):
-                raise ModelNotFoundError(f"model {model!r} is not served by any live engine.")
-            if backlog_limit is not None:
-                with self.redis.pipeline(transaction=False) as pipe:
-                    for key in counted:
-                        pipe.xlen(key)
-                    if sum(pipe.execute()) >= backlog_limit:
-                        raise _overloaded(model, backlog_limit)
-            if not self.redis.set(self.keys.request_id(request_id), model, nx=True, ex=self.settings.id_ttl):
-                raise InvalidRequestError(f"duplicate request id {request_id!r}.")
-            self.redis.xadd(stream_key, P.encode(message))
-        except redis.RedisError as exc:
-            raise _lost(exc) from exc
-
-    def _call(self, model: str, message: dict[str, Any]) -> dict[str, Any]:
+    def _call(self, model: str, message: P.Tokenize | P.Detokenize) -> P.Result:
         """A one-answer request (tokenize / detokenize) on the model's utility stream."""
-        self._submit(model, self.keys.utility(model), (), message, backlog_limit=None)
-        stream = GenerationStream(self, model, message["id"])
-        answer = stream._next(self.settings.ack_timeout)
-        if answer["type"] == P.ERROR:
-            P.raise_error(answer)
-        return answer
+        self._run(self._core.submit(model, message))
+        return _answer(GenerationStream(self, model, message.id)._next(self.settings.ack_timeout))
 
 
 # -------------------------------------------------------------------------------------------------- async
 
 
-def _raise_if_cancelled() -> None:
-    """redis-py can swallow a cancellation that lands while a blocking read times out (measured: about
-    one cancel in five of a consumer streaming a long answer); the task still counts the request, so
-    honour it here. Otherwise a client that went away would keep its engine request running."""
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError
+@dataclass
+class _Subscription:
+    last_id: str = "0-0"
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # entry lists, or the error that ended them
+
+
+class _OutputReader:
+    """Reads the output streams of every request of one async client with one ``XREAD`` at a time and hands
+    each request its entries. A request is picked up by the next read, at most `BLOCK_MS` later. The task
+    ends when no request is left (and starts again with the next): an idle client leaves nothing running."""
+
+    BLOCK_MS = 20
+
+    def __init__(self, client: AsyncEngineClient) -> None:
+        self.client = client
+        self._subscriptions: dict[str, _Subscription] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def subscribe(self, request_id: str) -> asyncio.Queue:
+        subscription = self._subscriptions[request_id] = _Subscription()
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+        return subscription.queue
+
+    def unsubscribe(self, request_id: str) -> None:
+        self._subscriptions.pop(request_id, None)
+
+    async def _run(self) -> None:
+        while self._subscriptions:
+            current = dict(self._subscriptions)
+            positions = {rid: s.last_id for rid, s in current.items()}
+            try:
+                found = await self.client._run(self.client._core.read(positions, self.BLOCK_MS))
+            except EngineError as exc:  # Redis is gone: every waiting request fails cleanly
+                for rid, subscription in current.items():
+                    subscription.queue.put_nowait(exc)
+                    self.unsubscribe(rid)
+                continue
+            for rid, entries in found.items():
+                subscription = current[rid]
+                subscription.last_id = entries[-1][0]
+                subscription.queue.put_nowait(entries)
+
+    async def close(self) -> None:
+        self._subscriptions.clear()
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
 
 
 class AsyncGenerationStream(_StreamState):
     """Async twin of `GenerationStream`. `async for` over it; cancelling the consuming task, leaving the loop
     (the generator is closed when collected) or `async with` exit abort an unfinished request."""
 
-    async def _next(self, timeout: float) -> dict[str, Any]:
-        waiter = _Waiter(timeout, self.model, self.request_id)
-        key = self.client.keys.output(self.request_id)
+    client: AsyncEngineClient
+
+    def __init__(self, client: AsyncEngineClient, model: str, request_id: str) -> None:
+        super().__init__(client, model, request_id)
+        self._queue = client._reader.subscribe(request_id)
+
+    async def _next(self, timeout: float) -> P.Message:
+        waiter = _Waiter(timeout, self.model)
         try:
             while not self._buffer:
-                block = waiter.block_ms(self.client.settings.poll_interval)
-                reply = await self.client.redis.xread({key: self._last_id}, count=256, block=block)
-                _raise_if_cancelled()
-                self._take(reply)
-                if not reply:
-                    if not await self.client.live_replicas(self.model):
-                        raise waiter.dead()
-                    if not await self.client.request_known(self.request_id, started=self._last_id != "0-0"):
-                        raise _forgotten(self.request_id)
-        except redis.RedisError as exc:
-            raise _lost(exc) from exc
-        return self._buffer.popleft()
+                try:
+                    async with asyncio.timeout(waiter.block_s(self.client.settings.poll_interval)):
+                        got = await self._queue.get()
+                except TimeoutError:
+                    await self.client._run(self._check_waiting())
+                    continue
+                if isinstance(got, BaseException):
+                    raise got
+                self._take(got)
+        except BaseException:
+            self._unsubscribe()
+            raise
+        message = self._buffer.popleft()
+        if isinstance(message, P.Final | P.Error | P.Result):
+            self._unsubscribe()
+        return message
+
+    def _unsubscribe(self) -> None:
+        self.client._reader.unsubscribe(self.request_id)
 
     async def _wait_ack(self) -> None:
         try:
@@ -501,6 +647,7 @@ class AsyncGenerationStream(_StreamState):
         return self._acc.result()
 
     async def abort(self) -> None:
+        self._unsubscribe()
         if not self._acc.finished:
             self._acc.finished = True
             await self.client.abort(self.model, self.request_id)
@@ -523,14 +670,36 @@ class AsyncEngineClient:
         self, redis_url: str | None = None, *, settings: ClientSettings | None = None, **overrides: Any
     ) -> None:
         self.settings = settings or ClientSettings(**overrides)
-        self.keys = P.Keys(self.settings.prefix)
+        self._core = _Core(self.settings)
+        self.keys = self._core.keys
         url = redis_url or os.environ.get(REDIS_URL_ENV, DEFAULT_REDIS_URL)
-        self.redis = aredis.Redis.from_url(
-            url, decode_responses=True, socket_timeout=10, socket_connect_timeout=5
-        )
+        pool = aredis.BlockingConnectionPool.from_url(url, **_pool_kwargs(self.settings, Retry))
+        self.redis = aredis.Redis(connection_pool=pool)
+        self._reader = _OutputReader(self)
 
     async def close(self) -> None:
+        await self._reader.close()
         await self.redis.aclose()
+        await self.redis.connection_pool.disconnect()
+
+    async def _run(self, op: Op[T]) -> T:
+        """See `EngineClient._run`."""
+        try:
+            commands = next(op)
+            while True:
+                if len(commands) == 1:
+                    name, args, kwargs = commands[0]
+                    results = [await getattr(self.redis, name)(*args, **kwargs)]
+                else:
+                    async with self.redis.pipeline(transaction=False) as pipe:
+                        for name, args, kwargs in commands:
+                            getattr(pipe, name)(*args, **kwargs)
+                        results = await pipe.execute()
+                commands = op.send(results)
+        except StopIteration as done:
+            return done.value
+        except redis.RedisError as exc:
+            raise _bus_error(exc) from exc
 
     async def generate(
         self,
@@ -543,105 +712,37 @@ class AsyncEngineClient:
         priority: int = 0,
     ) -> AsyncGenerationStream:
         """See `EngineClient.generate`."""
-        request_id = request_id or uuid.uuid4().hex
-        message = _request_message(
-            P.GENERATE,
-            request_id,
-            prompt,
-            messages,
-            params=_params(params).to_dict(),
-            priority=int(priority),
-            arrival_time=time.time(),
-        )
-        stream = AsyncGenerationStream(self, model, request_id)
-        await self._submit(
-            model,
-            *_request_streams(self.keys, model, int(priority)),
-            message,
-            backlog_limit=self.settings.max_queue,
-        )
+        message = _generate_message(prompt, params, messages, request_id, priority)
+        await self._run(self._core.submit(model, message))
+        stream = AsyncGenerationStream(self, model, message.id)
         await stream._wait_ack()
         return stream
 
     async def tokenize(
         self, model: str, prompt: str | None = None, *, messages: list[dict] | None = None
     ) -> Tokenized:
-        message = await self._call(model, _request_message(P.TOKENIZE, uuid.uuid4().hex, prompt, messages))
-        return Tokenized(message["token_ids"], message.get("max_model_len"))
+        result = await self._call(model, P.Tokenize(uuid.uuid4().hex, **_prompt_fields(prompt, messages)))
+        return Tokenized(result.token_ids, result.max_model_len)
 
     async def detokenize(self, model: str, token_ids: list[int]) -> str:
-        message = {"type": P.DETOKENIZE, "id": uuid.uuid4().hex, "token_ids": list(token_ids)}
-        return (await self._call(model, message))["text"]
+        return (await self._call(model, P.Detokenize(uuid.uuid4().hex, list(token_ids)))).text
 
     async def abort(self, model: str, request_id: str) -> None:
-        try:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.set(self.keys.abort(request_id), 1, ex=self.settings.id_ttl)
-                pipe.xadd(
-                    self.keys.aborts(model),
-                    {"id": request_id},
-                    maxlen=P.ABORT_STREAM_MAXLEN,
-                    approximate=True,
-                )
-                await pipe.execute()
-        except redis.RedisError as exc:
-            raise _lost(exc) from exc
+        await self._run(self._core.abort(model, request_id))
 
     async def request_known(self, request_id: str, started: bool) -> bool:
-        keys = [self.keys.request_id(request_id)] + ([self.keys.output(request_id)] if started else [])
-        return await self.redis.exists(*keys) == len(keys)
+        return await self._run(self._core.request_known(request_id, started))
 
     async def live_replicas(self, model: str) -> list[str]:
-        replica_ids = sorted(await self.redis.smembers(self.keys.replicas(model)))
-        if not replica_ids:
-            return []
-        exists = await self.redis.mget([self.keys.replica(r) for r in replica_ids])
-        return [r for r, v in zip(replica_ids, exists, strict=True) if v is not None]
+        return await self._run(self._core.live_replicas(model))
 
     async def list_models(self) -> list[P.ModelInfo]:
-        try:
-            rows = []
-            for name in sorted(await self.redis.smembers(self.keys.models)):
-                replica_ids = sorted(await self.redis.smembers(self.keys.replicas(name)))
-                keys = [self.keys.replica(r) for r in replica_ids]
-                values = await self.redis.mget(keys) if keys else []
-                rows.append((name, (replica_ids, values)))
-        except redis.RedisError as exc:
-            raise _lost(exc) from exc
-        return _models_from(rows)
+        return await self._run(self._core.list_models())
 
-    async def _submit(
-        self,
-        model: str,
-        stream_key: str,
-        counted: tuple[str, ...],
-        message: dict[str, Any],
-        backlog_limit: int | None,
-    ) -> None:
-        request_id = message["id"]
-        try:
-            if not await self.live_replicas(model):
-                raise ModelNotFoundError(f"model {model!r} is not served by any live engine.")
-            if backlog_limit is not None:
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    for key in counted:
-                        pipe.xlen(key)
-                    if sum(await pipe.execute()) >= backlog_limit:
-                        raise _overloaded(model, backlog_limit)
-            if not await self.redis.set(
-                self.keys.request_id(request_id), model, nx=True, ex=self.settings.id_ttl
-            ):
-                raise InvalidRequestError(f"duplicate request id {request_id!r}.")
-            await self.redis.xadd(stream_key, P.encode(message))
-        except redis.RedisError as exc:
-            raise _lost(exc) from exc
-
-    async def _call(self, model: str, message: dict[str, Any]) -> dict[str, Any]:
-        await self._submit(model, self.keys.utility(model), (), message, backlog_limit=None)
-        answer = await AsyncGenerationStream(self, model, message["id"])._next(self.settings.ack_timeout)
-        if answer["type"] == P.ERROR:
-            P.raise_error(answer)
-        return answer
+    async def _call(self, model: str, message: P.Tokenize | P.Detokenize) -> P.Result:
+        await self._run(self._core.submit(model, message))
+        stream = AsyncGenerationStream(self, model, message.id)
+        return _answer(await stream._next(self.settings.ack_timeout))
 
 
 __all__ = [

@@ -6,8 +6,6 @@ request remembers how much of each output index has been sent.
 
 from __future__ import annotations
 
-from typing import Any
-
 from inference_engine.bus import protocol as P
 from inference_engine.outputs import RequestOutput
 
@@ -18,7 +16,7 @@ class DeltaTracker:
         self._sent_text: dict[int, int] = {}
         self._sent_tokens: dict[int, int] = {}
 
-    def messages(self, output: RequestOutput, replica: str) -> list[dict[str, Any]]:
+    def messages(self, output: RequestOutput, replica: str) -> list[P.Delta | P.Final]:
         """The `delta` entry for this step's progress (if any) and, once finished, the `final` entry."""
         changes = []
         for out in output.outputs:
@@ -37,24 +35,23 @@ class DeltaTracker:
             )
             self._sent_text[out.index] = len(out.text)
             self._sent_tokens[out.index] = len(out.token_ids)
-        messages = [{"type": P.DELTA, "outputs": changes, "replica": replica}] if changes else []
+        messages: list[P.Delta | P.Final] = [P.Delta(changes, replica)] if changes else []
         if output.finished:
             reasons = [(o.index, o.finish_reason, o.stop_reason) for o in output.outputs]
             messages.append(self.final(reasons, replica))
         return messages
 
-    def final(self, reasons: list[tuple[int, str | None, int | str | None]], replica: str) -> dict[str, Any]:
+    def final(self, reasons: list[tuple[int, str | None, int | str | None]], replica: str) -> P.Final:
         """The `final` entry from (index, finish_reason, stop_reason) per output."""
         completion = sum(self._sent_tokens.values())
-        return {
-            "type": P.FINAL,
-            "outputs": [
+        return P.Final(
+            outputs=[
                 {"index": i, "finish_reason": finish, "stop_reason": stop} for i, finish, stop in reasons
             ],
-            "usage": {
+            usage={
                 "prompt_tokens": self.prompt_tokens,
                 "completion_tokens": completion,
                 "total_tokens": self.prompt_tokens + completion,
             },
-            "replica": replica,
-        }
+            replica=replica,
+        )

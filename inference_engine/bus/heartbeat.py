@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import socket
 import threading
+import uuid
 from typing import Any
 
 import redis
@@ -12,6 +15,33 @@ import redis
 from inference_engine.bus.protocol import Keys
 
 log = logging.getLogger(__name__)
+
+
+def new_replica_id() -> str:
+    """This process's replica id: host and pid first, so that the process's supervisor can find it."""
+    return f"{process_prefix(socket.gethostname(), os.getpid())}{uuid.uuid4().hex[:6]}"
+
+
+def process_prefix(host: str, pid: int) -> str:
+    return f"{host}-{pid}-"
+
+
+def withdraw_process(client: redis.Redis, keys: Keys, model: str, host: str, pid: int) -> list[str]:
+    """Withdraw the replicas a dead process left behind, at once rather than when their heartbeats expire:
+    clients waiting on them fail over (or fail cleanly) within a poll instead of a TTL. Returns their ids."""
+    prefix = process_prefix(host, pid)
+    gone = [r for r in client.smembers(keys.replicas(model)) if _text(r).startswith(prefix)]
+    if gone:
+        with client.pipeline(transaction=False) as pipe:
+            for replica in gone:
+                pipe.delete(keys.replica(_text(replica)))
+                pipe.srem(keys.replicas(model), replica)
+            pipe.execute()
+    return [_text(r) for r in gone]
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 class Heartbeat:

@@ -15,7 +15,8 @@ Keys (``{p}`` is the namespace prefix, ``llmserve`` by default)
                             bulk load, and takes low-priority ones only while its total in flight is below
                             ``max_inflight``. The engine's scheduler, which orders by (priority, arrival),
                             then preempts running bulk sequences for an interactive one that does not fit.
-                            Bounded admission (the client's ``max_queue``): an interactive request is refused
+                            Bounded admission (the client's ``max_queue``, checked and queued in one
+                            Lua script): an interactive request is refused
                             when ``XLEN`` of the interactive stream reaches ``max_queue``, a low-priority one
                             when the two streams' ``XLEN`` together reach it. So a bulk backlog never makes
                             interactive requests fail as overloaded, bulk never grows the total past
@@ -40,7 +41,9 @@ Keys (``{p}`` is the namespace prefix, ``llmserve`` by default)
 
 Entries
 -------
-Every stream entry has a single field ``d`` holding a JSON object with a ``type``.
+Every stream entry has a single field ``d`` holding a JSON object with a ``type``. Each type is one message
+class below (`Generate`, `Ack`, `Delta`, ...); the engine and the client build and read entries only through
+them (`encode`, `parse`).
 
 Request (client -> ``req`` stream, or ``reqlow`` for ``generate`` with ``priority > 0``):
   ``{"type": "generate", "id", "prompt" | "prompt_token_ids" | "messages", "params": SamplingParams.to_dict(),
@@ -79,8 +82,8 @@ owner's death instead.)
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
 
 from inference_engine.errors import ERRORS_BY_CODE, EngineError
 from inference_engine.outputs import Logprob
@@ -89,11 +92,6 @@ DEFAULT_PREFIX = "llmserve"
 GROUP = "engines"
 FIELD = "d"
 ABORT_STREAM_MAXLEN = 10_000
-
-# Message types.
-GENERATE, TOKENIZE, DETOKENIZE = "generate", "tokenize", "detokenize"
-ACK, DELTA, FINAL, ERROR, RESULT = "ack", "delta", "final", "error", "result"
-LOAD, UNLOAD = "load", "unload"
 
 
 @dataclass(frozen=True)
@@ -147,26 +145,151 @@ class Keys:
         return f"{self.prefix}:supervisor:{supervisor}"
 
 
-def encode(message: dict[str, Any]) -> dict[str, str]:
+# ---------------------------------------------------------------------------------------------- messages
+# One class per entry type; `type` is the wire tag. Fields left None are not sent.
+
+
+@dataclass
+class Message:
+    type: ClassVar[str]
+
+    def to_wire(self) -> dict[str, Any]:
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {"type": self.type, **{k: v for k, v in data.items() if v is not None}}
+
+    @staticmethod
+    def from_wire(data: dict[str, Any]) -> Message:
+        """The typed message of a decoded entry (fields it does not know are ignored)."""
+        kind = MESSAGE_TYPES.get(data.get("type", ""))
+        if kind is None:
+            raise ValueError(f"unknown bus message type {data.get('type')!r}")
+        names = {f.name for f in fields(kind)}
+        return kind(**{k: v for k, v in data.items() if k in names})
+
+
+@dataclass
+class Generate(Message):
+    """A generation; exactly one of `prompt`, `prompt_token_ids` and `messages` (chat, rendered by the engine
+    with the model's chat template)."""
+
+    type: ClassVar[str] = "generate"
+    id: str
+    params: dict[str, Any]
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[dict] | None = None
+    priority: int = 0  # lower runs earlier (vLLM's convention)
+    arrival_time: float | None = None
+
+
+@dataclass
+class Tokenize(Message):
+    type: ClassVar[str] = "tokenize"
+    id: str
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[dict] | None = None
+
+
+@dataclass
+class Detokenize(Message):
+    type: ClassVar[str] = "detokenize"
+    id: str
+    token_ids: list[int]
+
+
+@dataclass
+class Ack(Message):
+    type: ClassVar[str] = "ack"
+    prompt_tokens: int
+    replica: str
+
+
+@dataclass
+class Delta(Message):
+    """``outputs``: ``[{"index", "text", "token_ids", "logprobs"}]``, what is new per output index."""
+
+    type: ClassVar[str] = "delta"
+    outputs: list[dict[str, Any]]
+    replica: str
+
+
+@dataclass
+class Final(Message):
+    """``outputs``: ``[{"index", "finish_reason", "stop_reason"}]``; ``usage``: prompt, completion and total
+    token counts."""
+
+    type: ClassVar[str] = "final"
+    outputs: list[dict[str, Any]]
+    usage: dict[str, int]
+    replica: str
+
+
+@dataclass
+class Error(Message):
+    type: ClassVar[str] = "error"
+    code: str
+    message: str
+
+    @classmethod
+    def of(cls, exc: BaseException) -> Error:
+        code = exc.code if isinstance(exc, EngineError) else EngineError.code
+        return cls(code, str(exc) or type(exc).__name__)
+
+    def exception(self) -> EngineError:
+        """The typed exception the engine raised."""
+        return ERRORS_BY_CODE.get(self.code, EngineError)(self.message)
+
+
+@dataclass
+class Result(Message):
+    """The answer to a tokenize (`token_ids`, `count`, `max_model_len`) or detokenize (`text`) request."""
+
+    type: ClassVar[str] = "result"
+    token_ids: list[int] | None = None
+    count: int | None = None
+    max_model_len: int | None = None
+    text: str | None = None
+
+
+@dataclass
+class Load(Message):
+    type: ClassVar[str] = "load"
+    name: str
+    model: str | None = None
+    engine_args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Unload(Message):
+    type: ClassVar[str] = "unload"
+    name: str
+
+
+MESSAGE_TYPES: dict[str, type[Message]] = {
+    kind.type: kind
+    for kind in (Generate, Tokenize, Detokenize, Ack, Delta, Final, Error, Result, Load, Unload)
+}
+GENERATE, TOKENIZE, DETOKENIZE = Generate.type, Tokenize.type, Detokenize.type
+ACK, DELTA, FINAL, ERROR, RESULT = Ack.type, Delta.type, Final.type, Error.type, Result.type
+LOAD, UNLOAD = Load.type, Unload.type
+
+
+def encode(message: Message | dict[str, Any]) -> dict[str, str]:
     """A message as the fields of one stream entry."""
-    return {FIELD: json.dumps(message, separators=(",", ":"))}
+    data = message.to_wire() if isinstance(message, Message) else message
+    return {FIELD: json.dumps(data, separators=(",", ":"))}
 
 
 def decode(fields: dict) -> dict[str, Any]:
-    """The message of one stream entry (accepts bytes or str field names and values)."""
+    """The raw JSON object of one stream entry (accepts bytes or str field names and values)."""
     raw = fields.get(FIELD, fields.get(FIELD.encode()))
     return json.loads(raw)
 
 
-def error_message(exc: BaseException) -> dict[str, Any]:
-    code = exc.code if isinstance(exc, EngineError) else EngineError.code
-    return {"type": ERROR, "code": code, "message": str(exc) or type(exc).__name__}
-
-
-def raise_error(message: dict[str, Any]) -> None:
-    """Re-raise an ``error`` entry as the typed exception the engine raised."""
-    cls = ERRORS_BY_CODE.get(message.get("code", ""), EngineError)
-    raise cls(message.get("message", "engine error"))
+def parse(fields: dict) -> Message:
+    """The typed message of one stream entry."""
+    return Message.from_wire(decode(fields))
 
 
 def encode_logprobs(logprobs: list[dict[int, Logprob]] | None) -> list | None:
@@ -210,19 +333,19 @@ class RequestDelta:
     usage: Usage | None = None
 
 
-def delta_from_message(request_id: str, message: dict[str, Any]) -> RequestDelta:
-    """Decode a ``delta`` or ``final`` entry."""
-    if message["type"] == DELTA:
+def delta_from_message(request_id: str, message: Delta | Final) -> RequestDelta:
+    """A `Delta` or `Final` message as the client's `RequestDelta`."""
+    if isinstance(message, Delta):
         outputs = [
             CompletionDelta(o["index"], o["text"], o["token_ids"], decode_logprobs(o.get("logprobs")))
-            for o in message["outputs"]
+            for o in message.outputs
         ]
         return RequestDelta(request_id, outputs)
     outputs = [
         CompletionDelta(o["index"], finish_reason=o["finish_reason"], stop_reason=o.get("stop_reason"))
-        for o in message["outputs"]
+        for o in message.outputs
     ]
-    return RequestDelta(request_id, outputs, finished=True, usage=Usage(**message["usage"]))
+    return RequestDelta(request_id, outputs, finished=True, usage=Usage(**message.usage))
 
 
 @dataclass

@@ -20,7 +20,6 @@ import os
 import socket
 import threading
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +27,7 @@ import redis
 
 from inference_engine.bus import protocol as P
 from inference_engine.bus.deltas import DeltaTracker
-from inference_engine.bus.heartbeat import Heartbeat
+from inference_engine.bus.heartbeat import Heartbeat, new_replica_id
 from inference_engine.errors import EngineError, EngineUnavailableError, InvalidRequestError
 from inference_engine.sampling_params import SamplingParams
 
@@ -69,7 +68,7 @@ class EngineServer:
         self.settings = settings or ServeSettings()
         self.model = model_name or engine.model_name
         self.keys = P.Keys(self.settings.prefix)
-        self.replica_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.replica_id = new_replica_id()
         self.redis = redis.Redis.from_url(
             redis_url, decode_responses=True, socket_timeout=10, socket_connect_timeout=5
         )
@@ -86,7 +85,7 @@ class EngineServer:
         self.low_stream = self.keys.low_priority_requests(self.model)
         self.streams = (self.req_stream, self.low_stream, self.util_stream)
         self._live: dict[str, _Live] = {}
-        self._writes: list[tuple[str, dict[str, Any]]] = []
+        self._writes: list[tuple[str, P.Message]] = []
         self._done: list[tuple[str, str]] = []  # (stream, entry id) to XACK + XDEL after the writes
         self._expire_set: dict[str, float] = {}  # request id -> when its output stream's TTL was last set
         self._abort_cursor = "0-0"
@@ -258,12 +257,16 @@ class EngineServer:
         try:
             return pipe.execute()
         except redis.ResponseError as exc:
-            if "NOGROUP" not in str(exc):
+            if not _data_lost(exc):
                 raise
-        # Redis lost its data (restart without persistence) and redis-py reconnected by itself, so no
-        # ConnectionError told us: the in-flight requests lost their entries and part of their output.
-        # Fail them as a lost connection would (their clients may still be reading), then recreate our
-        # groups (`_connect` flushes the errors).
+        self._lost_data()
+        return None
+
+    def _lost_data(self) -> None:
+        """Redis lost its data (restart without persistence) and redis-py reconnected by itself, so no
+        ConnectionError told us: the in-flight requests lost their entries and part of their output. Fail them
+        as a lost connection would (their clients may still be reading), then recreate our groups (`_connect`
+        flushes the errors)."""
         if self._live:
             log.warning("Redis lost its data; failing %d in-flight request(s)", len(self._live))
             self.engine.abort_request(list(self._live))
@@ -275,15 +278,14 @@ class EngineServer:
                     ),
                 )
         self._connect()
-        return None
 
     def _admit(self, entries: list[tuple[str, str, dict]]) -> None:
         if not entries:
             return
-        messages = [P.decode(fields) for _, _, fields in entries]
+        messages = [P.parse(fields) for _, _, fields in entries]
         with self.redis.pipeline(transaction=False) as pipe:
             for message in messages:
-                pipe.exists(self.keys.abort(message["id"]))
+                pipe.exists(self.keys.abort(message.id))
             aborted = pipe.execute()
         for (stream, entry_id, _), message, was_aborted in zip(entries, messages, aborted, strict=True):
             if was_aborted:
@@ -293,56 +295,53 @@ class EngineServer:
             else:
                 self._start(stream, entry_id, message)
 
-    def _start(self, stream: str, entry_id: str, message: dict[str, Any]) -> None:
-        rid = message["id"]
+    def _start(self, stream: str, entry_id: str, message: P.Generate) -> None:
+        rid = message.id
         try:
-            params = SamplingParams.from_dict(message["params"])
+            params = SamplingParams.from_dict(message.params)
             prompt_ids = self.engine.add_request(
                 rid,
                 self._prompt(message),
                 params,
-                priority=int(message.get("priority", 0)),
-                arrival_time=message.get("arrival_time"),
+                priority=int(message.priority),
+                arrival_time=message.arrival_time,
             )
         except Exception as exc:
             if not isinstance(exc, EngineError):  # a bug, not a refusal: fail it loudly, serve the others
                 log.exception("request %s failed to start", rid)
-            self._writes.append((rid, P.error_message(exc)))
+            self._writes.append((rid, P.Error.of(exc)))
             self._done.append((stream, entry_id))
             return
         self._live[rid] = _Live(stream, entry_id, DeltaTracker(len(prompt_ids)), params.n)
-        ack = {"type": P.ACK, "prompt_tokens": len(prompt_ids), "replica": self.replica_id}
-        self._writes.append((rid, ack))
+        self._writes.append((rid, P.Ack(len(prompt_ids), self.replica_id)))
 
-    def _prompt(self, message: dict[str, Any]) -> str | list[int]:
-        if "messages" in message:
+    def _prompt(self, message: P.Generate | P.Tokenize) -> str | list[int]:
+        if message.messages is not None:
             try:
                 template = self.engine.tokenizer.apply_chat_template
-                return template(message["messages"], add_generation_prompt=True)
+                return template(message.messages, add_generation_prompt=True)
             except Exception as exc:
                 raise InvalidRequestError(f"cannot apply the chat template: {exc}") from exc
-        if "prompt_token_ids" in message:
-            return [int(t) for t in message["prompt_token_ids"]]
-        return message["prompt"]
+        if message.prompt_token_ids is not None:
+            return [int(t) for t in message.prompt_token_ids]
+        return message.prompt
 
-    def _answer_utility(self, entry_id: str, message: dict[str, Any]) -> None:
+    def _answer_utility(self, entry_id: str, message: P.Tokenize | P.Detokenize) -> None:
+        answer: P.Message
         try:
-            if message["type"] == P.DETOKENIZE:
+            if isinstance(message, P.Detokenize):
                 # Special tokens kept, as vLLM's /detokenize does: chat-templated ids round-trip.
-                text = self.engine.tokenizer.decode(message["token_ids"], skip_special_tokens=False)
-                answer = {"type": P.RESULT, "text": text}
+                text = self.engine.tokenizer.decode(message.token_ids, skip_special_tokens=False)
+                answer = P.Result(text=text)
             else:
                 prompt = self._prompt(message)
                 ids = prompt if isinstance(prompt, list) else self.engine.tokenizer.encode(prompt)
-                answer = {
-                    "type": P.RESULT,
-                    "token_ids": list(ids),
-                    "count": len(ids),
-                    "max_model_len": self.engine.max_model_len,
-                }
+                answer = P.Result(
+                    token_ids=list(ids), count=len(ids), max_model_len=self.engine.max_model_len
+                )
         except Exception as exc:
-            answer = P.error_message(exc if hasattr(exc, "code") else InvalidRequestError(str(exc)))
-        self._writes.append((message["id"], answer))
+            answer = P.Error.of(exc if isinstance(exc, EngineError) else InvalidRequestError(str(exc)))
+        self._writes.append((message.id, answer))
         self._done.append((self.util_stream, entry_id))
 
     def _publish(self, outputs: list) -> None:
@@ -367,7 +366,7 @@ class EngineServer:
 
     def _fail(self, rid: str, exc: BaseException) -> None:
         live = self._live.pop(rid)
-        self._writes.append((rid, P.error_message(exc)))
+        self._writes.append((rid, P.Error.of(exc)))
         self._done.append((live.stream, live.entry_id))
 
     def _flush(self) -> None:
@@ -420,8 +419,14 @@ class EngineServer:
     def _dead_consumers(self) -> set[str]:
         consumers = set()
         for stream in self.streams:
-            for info in self.redis.xinfo_consumers(stream, P.GROUP):
-                consumers.add(info["name"])
+            try:
+                infos = self.redis.xinfo_consumers(stream, P.GROUP)
+            except redis.ResponseError as exc:
+                if not _data_lost(exc):
+                    raise
+                self._lost_data()
+                return set()
+            consumers.update(info["name"] for info in infos)
         consumers.discard(self.replica_id)
         if not consumers:
             return set()
@@ -447,15 +452,15 @@ class EngineServer:
         if not fields:  # the entry was deleted meanwhile
             self._done.append((stream, entry_id))
             return
-        message = P.decode(fields)
-        rid = message["id"]
+        message = P.parse(fields)
+        rid = message.id
         if rid in self._live:
             return
         if stream == self.util_stream:
             self._answer_utility(entry_id, message)
             return
         last = self.redis.xrevrange(self.keys.output(rid), count=1)
-        seen = P.decode(last[0][1])["type"] if last else None
+        seen = P.parse(last[0][1]).type if last else None
         log.warning("replica %s takes over request %s (last output: %s)", self.replica_id, rid, seen)
         if seen in (P.FINAL, P.ERROR) or self.redis.exists(self.keys.abort(rid)):
             self._done.append((stream, entry_id))
@@ -463,7 +468,7 @@ class EngineServer:
             self._writes.append(
                 (
                     rid,
-                    P.error_message(
+                    P.Error.of(
                         EngineUnavailableError(
                             "the engine replica serving this request died after streaming part of it; "
                             "it was not re-run."
@@ -474,3 +479,8 @@ class EngineServer:
             self._done.append((stream, entry_id))
         else:
             self._start(stream, entry_id, message)
+
+
+def _data_lost(exc: redis.ResponseError) -> bool:
+    """Whether a command failed because Redis no longer has our streams or groups (it restarted empty)."""
+    return "NOGROUP" in str(exc) or "no such key" in str(exc)

@@ -3,7 +3,14 @@
 Each model runs as a child `python -m inference_engine serve` process, so a model's crash, memory and
 threads stay its own, and unloading it returns all of its memory. The control stream is read through a
 consumer group, so load/unload messages sent while the supervisor was down are handled when it comes back.
-A child that dies unexpectedly is restarted (it then also takes over its predecessor's pending requests).
+A child that dies unexpectedly is withdrawn from the bus at once (its heartbeat deleted: clients waiting on it
+hear within a poll, not a heartbeat TTL) and restarted, at once the first time and with a growing delay if it
+keeps dying; the new process takes over its predecessor's pending requests.
+
+With ``spares`` the supervisor also keeps one standby process per model (`serve --standby`: model loaded, not
+on the bus), started once the model has served for a while. When the serving process dies, the spare takes
+over at once (a signal puts it on the bus) instead of the model being loaded anew, and a new spare is started.
+Loading a model takes seconds to minutes; this turns an engine crash into an outage of about one poll.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -22,12 +30,15 @@ from typing import Any
 import redis
 
 from inference_engine.bus import protocol as P
+from inference_engine.bus.heartbeat import withdraw_process
 from inference_engine.config import engine_flags
 
 log = logging.getLogger(__name__)
 
 CONTROL_GROUP = "supervisor"
 MAX_QUICK_RESTARTS = 5  # a child that keeps dying within a minute is given up on
+RESTART_DELAYS = (0.0, 1.0, 2.0, 4.0, 8.0)  # seconds before the 1st, 2nd, ... restart within a minute
+SPARE_AFTER = 10.0  # seconds a model serves before its spare starts loading (not competing with its start)
 
 
 @dataclass
@@ -37,7 +48,10 @@ class _Child:
     engine_args: dict[str, Any]
     process: subprocess.Popen
     restarts: list[float] = field(default_factory=list)
-    state: str = "running"  # "running" | "failed"
+    state: str = "running"  # "running" | "restarting" (at `restart_at`) | "failed"
+    restart_at: float = 0.0
+    started: float = field(default_factory=time.monotonic)
+    spare: subprocess.Popen | None = None  # a standby `serve` process, model loaded, waiting for SIGUSR1
 
 
 def serve_command(
@@ -70,7 +84,9 @@ class Supervisor:
         serve_extra: list[str] | None = None,
         heartbeat_interval: float = 1.0,
         default_engine_args: dict[str, Any] | None = None,
+        spares: bool = False,
     ) -> None:
+        self.spares = spares
         self.redis_url, self.name, self.prefix = redis_url, name, prefix
         self.default_engine_args = default_engine_args or {}
         self.serve_extra = serve_extra or []
@@ -97,13 +113,17 @@ class Supervisor:
             log.info("model %r is not loaded", name)
             return
         log.info("unloading %r", name)
-        if child.process.poll() is None:
-            child.process.send_signal(signal.SIGTERM)  # the engine drains, then withdraws its heartbeat
+        for process in (child.process, child.spare):
+            if process is not None and process.poll() is None:
+                process.send_signal(signal.SIGTERM)  # the engine drains, then withdraws its heartbeat
+        for process in (child.process, child.spare):
+            if process is None:
+                continue
             try:
-                child.process.wait(timeout)
+                process.wait(timeout)
             except subprocess.TimeoutExpired:
-                child.process.kill()
-                child.process.wait()
+                process.kill()
+                process.wait()
 
     def run(self) -> None:
         stream = self.keys.control(self.name)
@@ -117,14 +137,14 @@ class Supervisor:
         try:
             while not self._stopping.is_set():
                 try:
+                    self._reap()
                     reply = self.redis.xreadgroup(
                         CONTROL_GROUP, f"{self.name}-{os.getpid()}", {stream: ">"}, count=16, block=500
                     )
                     for _, items in reply or ():
                         for entry_id, fields in items:
-                            self._handle(P.decode(fields))
+                            self._handle(P.parse(fields))
                             self.redis.xack(stream, CONTROL_GROUP, entry_id)
-                    self._reap()
                     if time.monotonic() >= next_beat:
                         next_beat = time.monotonic() + self.heartbeat_interval
                         self._beat()
@@ -144,12 +164,12 @@ class Supervisor:
         args = {**self.default_engine_args, **engine_args}
         return serve_command(self.redis_url, name, model, args, self.prefix, self.serve_extra)
 
-    def _handle(self, message: dict[str, Any]) -> None:
+    def _handle(self, message: P.Message) -> None:
         try:
-            if message["type"] == P.LOAD:
-                self.load(message["name"], message.get("model"), message.get("engine_args") or {})
-            elif message["type"] == P.UNLOAD:
-                self.unload(message["name"])
+            if isinstance(message, P.Load):
+                self.load(message.name, message.model, message.engine_args or {})
+            elif isinstance(message, P.Unload):
+                self.unload(message.name)
             else:
                 log.warning("unknown control message %r", message)
         except Exception:
@@ -158,19 +178,58 @@ class Supervisor:
     def _reap(self) -> None:
         now = time.monotonic()
         for child in self.children.values():
-            if child.state != "running" or child.process.poll() is None:
+            if child.state == "restarting" and now >= child.restart_at:
+                child.state, child.started = "running", now
+                child.process = subprocess.Popen(self._command(child.name, child.model, child.engine_args))
+            if child.state != "running":
+                continue
+            if child.process.poll() is None:
+                self._keep_spare(child, now)
+                continue
+            withdrawn = withdraw_process(
+                self.redis, self.keys, child.name, socket.gethostname(), child.process.pid
+            )
+            if child.spare is not None and child.spare.poll() is None:
+                log.warning(
+                    "model %r exited with %s (replicas withdrawn: %s); its spare takes over",
+                    child.name,
+                    child.process.returncode,
+                    withdrawn,
+                )
+                child.spare.send_signal(signal.SIGUSR1)
+                child.process, child.spare, child.started = child.spare, None, now
                 continue
             child.restarts = [t for t in child.restarts if now - t < 60] + [now]
             if len(child.restarts) > MAX_QUICK_RESTARTS:
                 log.error("model %r keeps dying (exit %s); giving up", child.name, child.process.returncode)
                 child.state = "failed"
                 continue
-            log.warning("model %r exited with %s; restarting", child.name, child.process.returncode)
-            child.process = subprocess.Popen(self._command(child.name, child.model, child.engine_args))
+            delay = RESTART_DELAYS[len(child.restarts) - 1]
+            log.warning(
+                "model %r exited with %s (replicas withdrawn: %s); restarting in %gs",
+                child.name,
+                child.process.returncode,
+                withdrawn,
+                delay,
+            )
+            child.state, child.restart_at = "restarting", now + delay
+
+    def _keep_spare(self, child: _Child, now: float) -> None:
+        if not self.spares or now - child.started < SPARE_AFTER:
+            return
+        if child.spare is None or child.spare.poll() is not None:
+            command = [*self._command(child.name, child.model, child.engine_args), "--standby"]
+            child.spare = subprocess.Popen(command)
 
     def _beat(self) -> None:
         children = {
-            c.name: {"pid": c.process.pid, "model": c.model, "state": c.state, "restarts": len(c.restarts)}
+            c.name: {
+                "pid": c.process.pid,
+                "model": c.model,
+                "state": c.state,
+                "restarts": len(c.restarts),
+                "spare": c.spare.pid if c.spare is not None and c.spare.poll() is None else None,
+            }
             for c in self.children.values()
         }
         payload = json.dumps({"pid": os.getpid(), "children": children})

@@ -14,6 +14,7 @@ from typing import Any
 
 from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse
+from django.http.multipartparser import MultiPartParserError
 from django.views.decorators.csrf import csrf_exempt
 
 from inference_engine.errors import EngineError
@@ -51,6 +52,8 @@ def api_view(
                 return _respond(exc, methods)
             except EngineError as exc:
                 return _respond(errors.from_engine_error(exc), methods)
+            except MultiPartParserError as exc:  # a form upload with a broken body (no boundary, ...)
+                return _respond(errors.BadRequest(f"The multipart body is malformed: {exc}"), methods)
             except Exception:
                 log.exception("unhandled error in %s %s", request.method, request.path)
                 return _respond(errors.InternalError("The server failed to handle the request."), methods)

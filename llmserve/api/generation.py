@@ -15,6 +15,8 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from asgiref.sync import sync_to_async
+from django.db import close_old_connections
 from django.http import HttpResponse, JsonResponse, StreamingHttpResponse
 
 from inference_engine.bus.client import AsyncGenerationStream
@@ -34,6 +36,9 @@ async def respond(request: GenerationRequest) -> HttpResponse:
     config = await ModelConfig.objects.filter(name=request.model).afirst()
     if config is not None and not config.enabled:
         raise errors.ModelNotFound(f"The model `{request.model}` is disabled.", param="model")
+    # The database is done with: hand the connection back before waiting on the engine, or every request
+    # waiting in the queue or streaming holds one (each ASGI request has its own thread and connection).
+    await sync_to_async(close_old_connections)()
     client = bus.async_client()
     timer = _Timer(request.model, received)
     try:

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import dj_database_url
 import django
 import pytest
 
@@ -34,18 +35,19 @@ def bulk_stack(django_db_blocker: pytest.FixtureRequest) -> Iterator[BulkStack]:
     stack = BulkStack(engine_flags=engine_flags(max_num_seqs=16))
     stack.start()
     connection = connections["default"]
-    previous_name = connection.settings_dict["NAME"]
+    previous_settings = dict(connection.settings_dict)
     # Earlier tests may have left the connection on pytest-django's in-memory test database, which Django
     # never closes (closing would destroy it): park that connection and open the stack's file instead.
     previous_connection, connection.connection = connection.connection, None
-    connection.settings_dict["NAME"] = str(stack.db_path)
+    connection.settings_dict.update(dj_database_url.parse(stack.database.url))
     try:
         with django_db_blocker.unblock(), override_settings(LLMSERVE={"REDIS_URL": stack.redis.url}):
             celery_app.conf.broker_url = stack.redis.url
             yield stack
     finally:
         connection.close()
-        connection.settings_dict["NAME"] = previous_name
+        connection.settings_dict.clear()
+        connection.settings_dict.update(previous_settings)
         connection.connection = previous_connection
         stack.stop()
 

@@ -27,8 +27,9 @@ class BulkStack(Stack):
 
     def start(self) -> BulkStack:
         super().start()
-        with sqlite3.connect(self.db_path) as db:  # readers never block the writers (test, worker, daphne)
-            db.execute("PRAGMA journal_mode=WAL")
+        if self.database.vendor == "sqlite":
+            with sqlite3.connect(self.db_path) as db:  # readers never block writers (test, worker, daphne)
+                db.execute("PRAGMA journal_mode=WAL")
         self.start_worker()
         return self
 

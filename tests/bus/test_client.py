@@ -38,8 +38,9 @@ def test_no_answer_times_out_and_aborts(client, raw_redis, prefix):
     _fake_heartbeat(raw_redis, prefix)
     client.settings.ack_timeout = 0.5
     start = time.monotonic()
-    with pytest.raises(EngineUnavailableError, match="within"):
+    with pytest.raises(EngineUnavailableError, match="within") as refused:
         client.generate("m", "hi", request_id="r1")
+    assert "r1" not in str(refused.value)  # internal ids stay out of messages that reach API clients
     assert time.monotonic() - start < 2
     assert raw_redis.exists(P.Keys(prefix).abort("r1"))
 
@@ -215,3 +216,54 @@ def test_async_cancellation_is_never_swallowed(redis_server, prefix, engine, ser
             await client.close()
 
     asyncio.run(main())
+
+
+def test_list_models_skips_models_without_live_replicas(client, raw_redis, prefix):
+    """A model whose replicas all died (heartbeats expired or withdrawn) is listed by nobody, and the others
+    still are."""
+    _fake_heartbeat(raw_redis, prefix, model="alive")
+    keys = P.Keys(prefix)
+    raw_redis.sadd(keys.models, "dead", "gone")
+    raw_redis.sadd(keys.replicas("dead"), "expired-replica")  # its heartbeat key is gone
+    assert [(m.name, [r.replica_id for r in m.replicas]) for m in client.list_models()] == [
+        ("alive", ["ghost"])
+    ]
+
+
+def test_a_full_connection_pool_makes_calls_wait_then_refuses_as_overloaded(redis_server, prefix):
+    async def main() -> None:
+        client = AsyncEngineClient(redis_server.url, prefix=prefix, max_connections=1, pool_timeout=0.3)
+        try:
+            hold = asyncio.create_task(client.redis.blpop(["nothing"], timeout=1))  # the only connection
+            await asyncio.sleep(0.1)
+            start = time.monotonic()
+            with pytest.raises(EngineOverloadedError, match="waiting for the request bus"):
+                await client.list_models()
+            assert time.monotonic() - start >= 0.25  # it waited for the pool before giving up
+            await hold
+            assert await client.list_models() == []  # the connection is back: calls go through again
+        finally:
+            await client.close()
+
+    asyncio.run(main())
+
+
+def test_waiting_requests_hold_no_redis_connection(serve, redis_server, prefix):
+    """Three times more requests than the engine's batch, on a client with two Redis connections: the
+    queued ones wait on the client's one shared reader, and every request completes."""
+    serve()
+
+    async def one(client: AsyncEngineClient, i: int) -> int:
+        stream = await client.generate(MODEL, f"Count to {i}.", {"max_tokens": 3, "ignore_eos": True})
+        return (await stream.result()).usage.completion_tokens
+
+    async def main() -> list[int]:
+        client = AsyncEngineClient(
+            redis_server.url, prefix=prefix, max_connections=2, pool_timeout=30, ack_timeout=60
+        )
+        try:
+            return await asyncio.gather(*(one(client, i) for i in range(24)))
+        finally:
+            await client.close()
+
+    assert asyncio.run(main()) == [3] * 24

@@ -9,6 +9,7 @@ import redis
 from inference_engine.bus import protocol as P
 from inference_engine.bus.client import EngineClient
 from inference_engine.bus.redis_server import RedisServer
+from inference_engine.bus.server import EngineServer, ServeSettings
 from inference_engine.errors import EngineUnavailableError
 
 from .conftest import MODEL, ThreadedServer, generate_offline, wait_idle
@@ -78,7 +79,7 @@ def test_dead_consumers_entries_are_rerun_or_failed(redis_server, raw_redis, pre
         assert ack["prompt_tokens"] == len(expected.prompt_token_ids)
         stream = [o for o in _outputs(raw_redis, keys, rid) if o.get("replica") == me]
         assert stream[-1]["type"] == P.FINAL
-        deltas = [P.delta_from_message(rid, o) for o in stream if o["type"] != P.ACK]
+        deltas = [P.delta_from_message(rid, P.Message.from_wire(o)) for o in stream if o["type"] != P.ACK]
         token_ids = [t for d in deltas for c in d.outputs for t in c.token_ids]
         text = "".join(c.text for d in deltas for c in d.outputs)
         assert (token_ids, text) == (expected.outputs[0].token_ids, expected.outputs[0].text)
@@ -125,3 +126,20 @@ def test_redis_restart_fails_inflight_work_then_recovers(prefix, engine):
         finally:
             client.close()
             engine_server.stop()
+
+
+def test_maintenance_survives_redis_losing_its_data(engine, redis_server, raw_redis, prefix):
+    """Redis restarted empty: the replica's periodic look for dead peers finds no streams at all. It must take
+    that as lost data (recreate its groups, carry on), not die of it."""
+    settings = ServeSettings(prefix=prefix, heartbeat_interval=0.2, heartbeat_ttl=1.0)
+    server = EngineServer(engine, redis_server.url, MODEL, settings)
+    try:
+        server._connect()
+        keys = P.Keys(prefix)
+        for key in raw_redis.scan_iter(f"{prefix}:*"):
+            raw_redis.delete(key)
+        assert server._dead_consumers() == set()
+        assert raw_redis.xinfo_groups(keys.requests(MODEL))[0]["name"] == P.GROUP
+    finally:
+        server.heartbeat.stop()
+        server.redis.close()

@@ -1,9 +1,13 @@
 import importlib.util
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import redis
 
-from inference_engine.bus.redis_server import RedisServer, ensure_redis_url, find_redis_server
+from inference_engine.bus.redis_server import RedisServer, ensure_redis_url, find_redis_server, free_port
 
 
 def test_find_and_start_and_restart(monkeypatch):
@@ -33,3 +37,25 @@ def test_ensure_redis_url_prefers_configuration(monkeypatch):
     monkeypatch.setenv("LLMSERVE_REDIS_URL", "redis://example:1/0")
     assert ensure_redis_url(None) == ("redis://example:1/0", None)
     assert ensure_redis_url("redis://x:2/0") == ("redis://x:2/0", None)
+
+
+def test_redis_command_exits_when_its_server_dies():
+    """`python -m inference_engine redis` reaps a killed redis-server and exits non-zero at once (a launcher
+    then restarts it on the same port), instead of living on beside a zombie."""
+    port = free_port()
+    wrapper = subprocess.Popen(
+        [sys.executable, "-m", "inference_engine", "redis", "--port", str(port)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert wrapper.stdout.readline().strip() == f"redis://127.0.0.1:{port}/0"
+        children = Path(f"/proc/{wrapper.pid}/task/{wrapper.pid}/children").read_text().split()
+        [server_pid] = [int(pid) for pid in children]
+        os.kill(server_pid, signal.SIGKILL)
+        assert wrapper.wait(5) == 1
+        assert not Path(f"/proc/{server_pid}").exists()  # reaped: no zombie left
+    finally:
+        if wrapper.poll() is None:
+            wrapper.kill()
+            wrapper.wait()

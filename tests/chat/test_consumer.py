@@ -15,7 +15,7 @@ from hostproject.asgi import application
 from llmserve.models import APIKey
 from tests.bus.conftest import MODEL, generate_offline, wait_idle
 
-ORIGIN = (b"origin", b"http://127.0.0.1")
+ORIGIN, HOST = (b"origin", b"http://127.0.0.1"), (b"host", b"127.0.0.1")
 MESSAGES = [{"role": "user", "content": "Hi"}]
 # Long enough (about 100 ms a token here) that the answer is still streaming whenever a test stops it or
 # leaves; the prompt (31 tokens) plus this fits the engine's 512-token context.
@@ -35,7 +35,10 @@ def communicator(
     *headers: tuple[bytes, bytes], subprotocols: list[str] | None = None
 ) -> WebsocketCommunicator:
     return WebsocketCommunicator(
-        application, "/ws/chat/", headers=[ORIGIN, *headers], subprotocols=subprotocols or ["llmserve.chat"]
+        application,
+        "/ws/chat/",
+        headers=[ORIGIN, HOST, *headers],
+        subprotocols=subprotocols or ["llmserve.chat"],
     )
 
 
@@ -235,13 +238,46 @@ async def test_api_key_as_subprotocol_or_header_and_its_rate_limit(served) -> No
     assert (await ws.receive_json_from(5))["code"] == "login_required"
 
 
-@pytest.mark.asyncio
-async def test_other_sites_cannot_open_the_socket(served, session_cookie) -> None:
-    ws = WebsocketCommunicator(
-        application, "/ws/chat/", headers=[(b"origin", b"https://evil.example"), (b"cookie", session_cookie)]
-    )
+async def _opens(headers: list[tuple[bytes, bytes]], subprotocols: list[str] | None = None) -> str | None:
+    """The first message the socket gets (``ready``, or the error code of a refusal); None when the
+    handshake itself is refused."""
+    ws = WebsocketCommunicator(application, "/ws/chat/", headers=headers, subprotocols=subprotocols)
     ok, _ = await ws.connect()
-    assert not ok
+    if not ok:
+        return None
+    first = await ws.receive_json_from(5)
+    await ws.disconnect()
+    return first["type"] if first["type"] == "ready" else first["code"]
+
+
+@pytest.mark.asyncio
+async def test_other_sites_cannot_open_the_socket(served, session_cookie, settings) -> None:
+    """Same origin means the same scheme, host and port as the socket itself: another port of an allowed host
+    (any local page) or the other scheme is another site."""
+    cookie, host = (b"cookie", session_cookie), (b"host", b"127.0.0.1:8000")
+    for foreign in (b"https://evil.example", b"http://127.0.0.1:9999", b"https://127.0.0.1:8000", b"null"):
+        assert await _opens([(b"origin", foreign), host, cookie]) is None, foreign
+    assert await _opens([(b"origin", b"http://127.0.0.1:8000"), host, cookie]) == "ready"
+    localhost = [(b"origin", b"http://localhost:8000"), (b"host", b"localhost:8000"), cookie]
+    assert await _opens(localhost) == "ready"
+    # Behind a TLS proxy the page's origin differs from what the server sees: trusted by configuration.
+    settings.CSRF_TRUSTED_ORIGINS = ["https://chat.example.com"]
+    assert await _opens([(b"origin", b"https://chat.example.com"), host, cookie]) == "ready"
+    # A Host outside ALLOWED_HOSTS is refused even when Origin matches it.
+    assert await _opens([(b"origin", b"http://evil.example"), (b"host", b"evil.example"), cookie]) is None
+
+
+@pytest.mark.asyncio
+async def test_programs_without_origin_need_an_api_key(served, session_cookie) -> None:
+    """No Origin: not a browser. An API key lets it in; a session cookie does not (browsers always send
+    Origin, so a cookie without one is not a page of ours)."""
+    from asgiref.sync import sync_to_async
+
+    _, raw = await sync_to_async(APIKey.objects.create_key)("program")
+    assert await _opens([HOST], ["llmserve.chat", f"llmserve.key.{raw}"]) == "ready"
+    assert await _opens([HOST, (b"authorization", f"Bearer {raw}".encode())]) == "ready"
+    assert await _opens([HOST, (b"cookie", session_cookie)]) == "login_required"
+    assert await _opens([HOST]) == "login_required"
 
 
 def test_chat_page(client, django_user_model) -> None:

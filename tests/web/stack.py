@@ -1,4 +1,5 @@
-"""The real serving stack for end-to-end tests: a private redis-server, an engine process, a SQLite file and
+"""The real serving stack for end-to-end tests: a private redis-server, an engine process, a database
+(`tests.database`: a fresh PostgreSQL database when one answers on the loopback, else a SQLite file) and
 daphne serving the host project, each a child process on a free local port.
 
 Also used by benchmarks/serving.py, which is why it takes its engine flags as arguments.
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from inference_engine.bus.redis_server import RedisServer, free_port
+from tests.database import TestDatabase
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -52,6 +54,7 @@ class Stack:
     engine_flags: list[str] = field(default_factory=engine_flags)
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="llmserve-web-")))
     redis: RedisServer | None = None
+    database: TestDatabase | None = None
     engine: subprocess.Popen | None = None
     daphne: subprocess.Popen | None = None
     port: int = 0
@@ -67,7 +70,7 @@ class Stack:
         return {
             **os.environ,
             "DJANGO_SETTINGS_MODULE": "hostproject.settings",
-            "LLMSERVE_DB_PATH": str(self.workdir / "db.sqlite3"),
+            "DATABASE_URL": self.database.url,
             "LLMSERVE_REDIS_URL": self.redis.url,
             "DJANGO_SECRET_KEY": "test-only-secret",
             "PYTHONPATH": str(ROOT),
@@ -88,6 +91,7 @@ class Stack:
         return done.stdout
 
     def start(self) -> Stack:
+        self.database = TestDatabase.create(self.workdir)
         self.redis = RedisServer().start()
         # The engine loads its model while the database is prepared.
         self.engine = self._spawn(
@@ -149,4 +153,6 @@ class Stack:
                     proc.wait()
         if self.redis is not None:
             self.redis.stop()
+        if self.database is not None:
+            self.database.drop()
         shutil.rmtree(self.workdir, ignore_errors=True)

@@ -1,0 +1,51 @@
+"""The launcher's supervision of one service, without a stack: a service that dies is restarted, at once and
+then with growing delays; what its process group left behind is killed first; its log is appended to, never
+truncated (two stacks of one checkout keep their logs)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hostproject.run import Service
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_a_dying_service_is_restarted_with_backoff_and_its_group_killed(tmp_path: Path) -> None:
+    marker = tmp_path / "grandchild.pid"
+    # Leaves a grandchild in its process group, then dies.
+    script = (
+        "import subprocess, sys; "
+        f"p = subprocess.Popen(['sleep', '60']); open({str(marker)!r}, 'w').write(str(p.pid)); sys.exit(3)"
+    )
+    service = Service("dies", [sys.executable, "-c", script], dict(os.environ), tmp_path)
+    delays: list[float] = []  # per death: how long the launcher waits before the restart
+    deadline = time.monotonic() + 30
+    while len(delays) < 2 or service.restart_at is not None:
+        waiting, pid = service.restart_at is not None, service.process.pid
+        service.keep_alive()
+        if not waiting and service.restart_at is not None:
+            delays.append(service.restart_at - time.monotonic())
+        elif not waiting and service.process.pid != pid:
+            delays.append(0.0)  # restarted within the same call
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    grandchild = int(marker.read_text())
+    assert not Path(f"/proc/{grandchild}").exists() or "Z" in Path(f"/proc/{grandchild}/stat").read_text()
+    assert delays[0] <= 0 and 0.9 <= delays[1] <= 1.0  # at once after the first death, 1 s after the next
+    service.stop()
+    log = (tmp_path / "dies.log").read_text()
+    assert log.count("starting:") == 3  # appended at every start, never truncated
+
+
+def test_two_services_of_one_name_share_a_log_without_truncating_it(tmp_path: Path) -> None:
+    for word in ("first", "second"):
+        service = Service("web-1", [sys.executable, "-c", f"print({word!r})"], dict(os.environ), tmp_path)
+        service.process.wait(30)
+    log = (tmp_path / "web-1.log").read_text()
+    assert "first" in log and "second" in log

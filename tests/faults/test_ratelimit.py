@@ -1,0 +1,30 @@
+"""Rate-limit counters in a Redis cache (in process): counted there, and a cache that does not answer lets
+requests through rather than refusing them."""
+
+from __future__ import annotations
+
+import pytest
+from django.core.cache import caches
+
+from inference_engine.bus.redis_server import RedisServer
+from llmserve import ratelimit
+
+
+def redis_cache(url: str) -> dict:
+    return {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": url}}
+
+
+@pytest.mark.asyncio
+async def test_counts_in_redis(settings) -> None:
+    with RedisServer() as server:
+        settings.CACHES = redis_cache(server.url)
+        results = [await ratelimit.ahit("key:1", 2) for _ in range(3)]
+        assert results[:2] == [None, None] and 0 < results[2] <= ratelimit.WINDOW
+        caches["default"].close()
+
+
+@pytest.mark.asyncio
+async def test_an_unreachable_cache_lets_requests_through(settings) -> None:
+    settings.CACHES = redis_cache("redis://127.0.0.1:9/0")
+    assert await ratelimit.ahit("key:1", 1) is None
+    assert await ratelimit.ahit("key:1", 1) is None
