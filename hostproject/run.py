@@ -21,6 +21,7 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -134,6 +135,10 @@ def run(host: str, port: int) -> None:
     if not _port_free(host, port):
         raise ServiceFailed(f"{host}:{port} is in use; choose another port with --port or PORT=")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # The web processes' metrics start from zero with the stack (files of earlier runs would add up).
+    metrics_dir = Path(env.setdefault("PROMETHEUS_MULTIPROC_DIR", str(ROOT / "var" / "prometheus")))
+    shutil.rmtree(metrics_dir, ignore_errors=True)
+    metrics_dir.mkdir(parents=True)
     services: list[Service] = []  # in start order; stopped in reverse
     try:
         if not env.get("LLMSERVE_REDIS_URL"):

@@ -32,7 +32,7 @@ from inference_engine.errors import (
     InvalidRequestError,
     ModelNotFoundError,
 )
-from inference_engine.outputs import CompletionOutput
+from inference_engine.outputs import CompletionOutput, Logprob
 from inference_engine.sampling_params import SamplingParams
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -58,12 +58,27 @@ class GenerationResult:
     prompt_tokens: int
     outputs: list[CompletionOutput]
     usage: P.Usage
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_token_ids: list[int] | None = None  # with prompt_logprobs
 
 
 @dataclass
 class Tokenized:
     token_ids: list[int]
     max_model_len: int | None
+    token_strs: list[str | None] | None = None
+
+
+def _tokenize_message(
+    prompt: str | None, messages: list[dict] | None, add_special_tokens: bool, return_token_strs: bool
+) -> dict[str, Any]:
+    message = _request_message(P.TOKENIZE, uuid.uuid4().hex, prompt, messages)
+    message.update(add_special_tokens=add_special_tokens, return_token_strs=return_token_strs)
+    return message
+
+
+def _tokenized(answer: dict[str, Any]) -> Tokenized:
+    return Tokenized(answer["token_ids"], answer.get("max_model_len"), answer.get("token_strs"))
 
 
 def _request_message(
@@ -111,6 +126,8 @@ class _Accumulator:
         self.finished = False
         self.outputs: dict[int, CompletionOutput] = {}
         self.usage: P.Usage | None = None
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+        self.prompt_token_ids: list[int] | None = None
 
     def feed(self, message: dict[str, Any]) -> P.RequestDelta | None:
         kind = message["type"]
@@ -124,6 +141,8 @@ class _Accumulator:
                 P.raise_error(message)
             return None
         delta = P.delta_from_message(self.request_id, message)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs, self.prompt_token_ids = delta.prompt_logprobs, delta.prompt_token_ids
         for d in delta.outputs:
             out = self.outputs.setdefault(d.index, CompletionOutput(d.index, "", []))
             out.text += d.text
@@ -138,7 +157,14 @@ class _Accumulator:
 
     def result(self) -> GenerationResult:
         outputs = [self.outputs[i] for i in sorted(self.outputs)]
-        return GenerationResult(self.request_id, self.prompt_tokens or 0, outputs, self.usage)
+        return GenerationResult(
+            self.request_id,
+            self.prompt_tokens or 0,
+            outputs,
+            self.usage,
+            self.prompt_logprobs,
+            self.prompt_token_ids,
+        )
 
 
 class _Waiter:
@@ -321,10 +347,20 @@ class EngineClient:
         return stream
 
     def tokenize(
-        self, model: str, prompt: str | None = None, *, messages: list[dict] | None = None
+        self,
+        model: str,
+        prompt: str | None = None,
+        *,
+        messages: list[dict] | None = None,
+        add_special_tokens: bool = True,
+        return_token_strs: bool = False,
     ) -> Tokenized:
-        message = self._call(model, _request_message(P.TOKENIZE, uuid.uuid4().hex, prompt, messages))
-        return Tokenized(message["token_ids"], message.get("max_model_len"))
+        message = _tokenize_message(prompt, messages, add_special_tokens, return_token_strs)
+        return _tokenized(self._call(model, message))
+
+    def tokenizer_info(self, model: str) -> dict[str, Any]:
+        """The model's tokenizer facts (special tokens, chat template, context length)."""
+        return self._call(model, {"type": P.TOKENIZER_INFO, "id": uuid.uuid4().hex})["info"]
 
     def detokenize(self, model: str, token_ids: list[int]) -> str:
         message = {"type": P.DETOKENIZE, "id": uuid.uuid4().hex, "token_ids": list(token_ids)}
@@ -564,10 +600,19 @@ class AsyncEngineClient:
         return stream
 
     async def tokenize(
-        self, model: str, prompt: str | None = None, *, messages: list[dict] | None = None
+        self,
+        model: str,
+        prompt: str | None = None,
+        *,
+        messages: list[dict] | None = None,
+        add_special_tokens: bool = True,
+        return_token_strs: bool = False,
     ) -> Tokenized:
-        message = await self._call(model, _request_message(P.TOKENIZE, uuid.uuid4().hex, prompt, messages))
-        return Tokenized(message["token_ids"], message.get("max_model_len"))
+        message = _tokenize_message(prompt, messages, add_special_tokens, return_token_strs)
+        return _tokenized(await self._call(model, message))
+
+    async def tokenizer_info(self, model: str) -> dict[str, Any]:
+        return (await self._call(model, {"type": P.TOKENIZER_INFO, "id": uuid.uuid4().hex}))["info"]
 
     async def detokenize(self, model: str, token_ids: list[int]) -> str:
         message = {"type": P.DETOKENIZE, "id": uuid.uuid4().hex, "token_ids": list(token_ids)}

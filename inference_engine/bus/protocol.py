@@ -45,7 +45,8 @@ Every stream entry has a single field ``d`` holding a JSON object with a ``type`
 Request (client -> ``req`` stream, or ``reqlow`` for ``generate`` with ``priority > 0``):
   ``{"type": "generate", "id", "prompt" | "prompt_token_ids" | "messages", "params": SamplingParams.to_dict(),
   "priority": int (lower = earlier, vLLM's convention), "arrival_time": float}``
-  ``{"type": "tokenize", "id", "prompt" | "messages"}`` / ``{"type": "detokenize", "id", "token_ids"}``
+  ``{"type": "tokenize", "id", "prompt" | "messages", "add_special_tokens"?, "return_token_strs"?}`` /
+  ``{"type": "detokenize", "id", "token_ids"}`` / ``{"type": "tokenizer_info", "id"}``
 
 Output (engine -> ``out`` stream), in this order:
   ``ack``    ``{"prompt_tokens": int, "replica": str}`` -- the engine accepted the request. Clients wait for
@@ -54,11 +55,14 @@ Output (engine -> ``out`` stream), in this order:
   ``delta``  ``{"outputs": [{"index", "text", "token_ids", "logprobs"}], "replica"}`` -- what is new since the
              previous delta, one entry per scheduler step covering every output index that progressed.
              ``logprobs`` is ``null`` or one list per new token of ``[token_id, logprob, rank, decoded]``.
+             The first delta of a request that asked for ``prompt_logprobs`` also carries
+             ``"prompt_logprobs"`` (one such list per prompt token, ``null`` for the first) and
+             ``"prompt_token_ids"``.
   ``final``  ``{"outputs": [{"index", "finish_reason", "stop_reason"}], "usage": {"prompt_tokens",
              "completion_tokens", "total_tokens"}, "replica"}`` -- always the last entry of a generation.
   ``error``  ``{"code": EngineError.code, "message"}`` -- terminal; may replace ``ack``.
-  ``result`` ``{"token_ids": [...], "count", "max_model_len"}`` or ``{"text"}`` -- answers tokenize /
-             detokenize.
+  ``result`` ``{"token_ids": [...], "count", "max_model_len", "token_strs"?}``, ``{"text"}`` or
+             ``{"info": {...}}`` -- answers tokenize / detokenize / tokenizer_info.
 
 Control (client -> ``control`` stream):
   ``{"type": "load", "name", "model": path | null, "engine_args": {...}}`` / ``{"type": "unload", "name"}``
@@ -91,7 +95,7 @@ FIELD = "d"
 ABORT_STREAM_MAXLEN = 10_000
 
 # Message types.
-GENERATE, TOKENIZE, DETOKENIZE = "generate", "tokenize", "detokenize"
+GENERATE, TOKENIZE, DETOKENIZE, TOKENIZER_INFO = "generate", "tokenize", "detokenize", "tokenizer_info"
 ACK, DELTA, FINAL, ERROR, RESULT = "ack", "delta", "final", "error", "result"
 LOAD, UNLOAD = "load", "unload"
 
@@ -181,6 +185,17 @@ def decode_logprobs(data: list | None) -> list[dict[int, Logprob]] | None:
     return [{int(t): Logprob(lp, rank, tok) for t, lp, rank, tok in pos} for pos in data]
 
 
+def encode_prompt_logprobs(logprobs: list[dict[int, Logprob] | None]) -> list:
+    """Prompt logprobs: the first position has none (nothing precedes it)."""
+    return [None if pos is None else encode_logprobs([pos])[0] for pos in logprobs]
+
+
+def decode_prompt_logprobs(data: list | None) -> list[dict[int, Logprob] | None] | None:
+    if data is None:
+        return None
+    return [None if pos is None else decode_logprobs([pos])[0] for pos in data]
+
+
 @dataclass
 class CompletionDelta:
     """What is new for one output index since the previous delta."""
@@ -208,6 +223,8 @@ class RequestDelta:
     outputs: list[CompletionDelta]
     finished: bool = False
     usage: Usage | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # on the first delta, when asked for
+    prompt_token_ids: list[int] | None = None  # with prompt_logprobs
 
 
 def delta_from_message(request_id: str, message: dict[str, Any]) -> RequestDelta:
@@ -217,7 +234,12 @@ def delta_from_message(request_id: str, message: dict[str, Any]) -> RequestDelta
             CompletionDelta(o["index"], o["text"], o["token_ids"], decode_logprobs(o.get("logprobs")))
             for o in message["outputs"]
         ]
-        return RequestDelta(request_id, outputs)
+        return RequestDelta(
+            request_id,
+            outputs,
+            prompt_logprobs=decode_prompt_logprobs(message.get("prompt_logprobs")),
+            prompt_token_ids=message.get("prompt_token_ids"),
+        )
     outputs = [
         CompletionDelta(o["index"], finish_reason=o["finish_reason"], stop_reason=o.get("stop_reason"))
         for o in message["outputs"]
