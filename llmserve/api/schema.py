@@ -202,6 +202,15 @@ class DetokenizeRequest(RequestModel):
     tokens: list[Annotated[int, Field(ge=0)]]
 
 
+class BatchRequestLine(RequestModel):
+    """A line of a Batch API input file."""
+
+    custom_id: Annotated[str, Field(min_length=1)]
+    method: Literal["POST"] = "POST"
+    url: str
+    body: dict[str, Any]
+
+
 Model = TypeVar("Model", bound=BaseModel)
 
 
