@@ -280,15 +280,9 @@ def test_completions_with_a_list_of_prompts(client, stack) -> None:
 def test_completion_echo_with_logprobs(client, stack, max_tokens) -> None:
     prompt = "The quick brown fox jumps over the lazy dog"
     tokens = _post(stack, "/tokenize", {"prompt": prompt})["tokens"]
-    reply = client.completions.create(
-        model=stack.model,
-        prompt=[prompt, tokens],
-        echo=True,
-        logprobs=1,
-        max_tokens=max_tokens,
-        temperature=0,
-    )
-    for choice in reply.choices:
+    kwargs = {"model": stack.model, "echo": True, "logprobs": 1, "max_tokens": max_tokens, "temperature": 0}
+    as_text, as_ids = (client.completions.create(prompt=p, **kwargs) for p in (prompt, [tokens]))
+    for choice in as_text.choices + as_ids.choices:
         logprobs = choice.logprobs
         assert len(logprobs.tokens) == len(tokens) + max_tokens
         assert "".join(logprobs.tokens[: len(tokens)]) == prompt
@@ -302,18 +296,17 @@ def test_completion_echo_with_logprobs(client, stack, max_tokens) -> None:
         assert logprobs.text_offset == [
             sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(logprobs.tokens))
         ]
-    first, second = reply.choices
-    assert first.logprobs.token_logprobs == second.logprobs.token_logprobs  # text and ids: one prompt
-    assert reply.usage.completion_tokens == 2 * max_tokens
+    assert as_text.choices[0].logprobs == as_ids.choices[0].logprobs  # the text and its ids: one prompt
+    assert as_text.usage.completion_tokens == max_tokens
 
 
 def test_no_sixteen_token_default(client, stack) -> None:
-    kwargs = {"model": stack.model, "temperature": 0}
-    reply = client.chat.completions.create(
-        messages=[{"role": "user", "content": "Write a short story about a cat who learns to swim."}],
-        **kwargs,
+    # Without max_tokens the model counts on until the stop string, well past 16 tokens.
+    reply = client.completions.create(
+        model=stack.model, prompt="1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", stop=["20,"], temperature=0
     )
-    assert reply.usage.completion_tokens > 16 and reply.choices[0].finish_reason == "stop"
+    assert reply.choices[0].finish_reason == "stop" and reply.usage.completion_tokens > 16
+    assert reply.choices[0].text.strip().startswith("11, 12, 13")
 
 
 def test_developer_role_is_system(client, stack) -> None:
