@@ -49,7 +49,10 @@ LATENCY_BUCKETS = (
 )
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 # vLLM names some of these differently across versions: each also goes out under these names.
-_EXTRA_VLLM_NAMES = {"inter_token_latency_seconds": "time_per_output_token_seconds"}
+_EXTRA_VLLM_NAMES = {
+    "inter_token_latency_seconds": "time_per_output_token_seconds",
+    "kv_cache_usage_perc": "gpu_cache_usage_perc",
+}
 
 # The web-side metrics: registered in prometheus_client's default registry, whose multiprocess values (files)
 # `render` collects from every process.
@@ -117,8 +120,9 @@ class RequestTimer:
                 last = self.last_token.get(output.index)
                 if last is None:
                     TIME_TO_FIRST_TOKEN.labels(self.model).observe(now - self.received)
-                else:
-                    INTER_TOKEN_LATENCY.labels(self.model).observe((now - last) / len(output.token_ids))
+                else:  # tokens that arrived together share the wait
+                    for _ in output.token_ids:
+                        INTER_TOKEN_LATENCY.labels(self.model).observe((now - last) / len(output.token_ids))
                 self.last_token[output.index] = now
         if delta.finished:
             usage = delta.usage
