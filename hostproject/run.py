@@ -33,6 +33,7 @@ import os
 import resource
 import secrets
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -220,6 +221,13 @@ def run(host: str, port: int, web_workers: int) -> None:
     listener = _listen(host, port)
     _raise_file_limit()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # The web processes' metrics start from zero with the stack (files of earlier runs would add up), one
+    # folder per port like the logs.
+    metrics_dir = Path(
+        env.setdefault("PROMETHEUS_MULTIPROC_DIR", str(ROOT / "var" / "prometheus" / str(port)))
+    )
+    shutil.rmtree(metrics_dir, ignore_errors=True)
+    metrics_dir.mkdir(parents=True)
     python = sys.executable
     services: list[Service] = []  # in start order; stopped in reverse
     try:

@@ -12,6 +12,8 @@ database, Redis and secret without editing files:
 ``LLMSERVE_DB_PATH``    SQLite database file when ``DATABASE_URL`` is unset (default: ``db.sqlite3`` here)
 ``LLMSERVE_REDIS_URL``  Redis of the request bus (also Celery's broker unless ``CELERY_BROKER_URL`` is set)
 ``LLMSERVE_OPEN_ACCESS`` ``1`` serves the API without API keys
+``PROMETHEUS_MULTIPROC_DIR`` where the web processes keep their metrics (default: ``var/prometheus``; the run
+                        command empties it at start)
 """
 
 import os
@@ -50,6 +52,7 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "channels",
+    "drf_spectacular_sidecar",  # Swagger UI's files for the API docs page (/docs), served as static files
     "llmserve",
 ]
 
@@ -64,6 +67,9 @@ MIDDLEWARE = [
 ]
 
 ROOT_URLCONF = "hostproject.urls"
+LOGIN_URL = "login"  # the chat's sign-in page (templates/registration/login.html), not the admin's
+LOGIN_REDIRECT_URL = "llmserve:chat"
+LOGOUT_REDIRECT_URL = "login"
 
 TEMPLATES = [
     {
@@ -115,6 +121,11 @@ STATIC_URL = "static/"
 STATIC_ROOT = BASE_DIR / "var" / "static"
 
 REDIS_URL = os.environ.get("LLMSERVE_REDIS_URL")
+
+# prometheus_client's multiprocess mode, so that /metrics adds up every web worker; it reads the variable when
+# first imported, which is after the settings.
+os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", str(BASE_DIR / "var" / "prometheus"))
+Path(os.environ["PROMETHEUS_MULTIPROC_DIR"]).mkdir(parents=True, exist_ok=True)
 
 LLMSERVE = {
     "REDIS_URL": REDIS_URL,

@@ -1,4 +1,5 @@
 from django.contrib import admin
+from django.contrib.auth import views as auth_views
 from django.http import HttpRequest, HttpResponse
 from django.urls import include, path
 from django.views import defaults
@@ -8,8 +9,9 @@ from llmserve.api import errors
 
 urlpatterns = [
     path("", RedirectView.as_view(pattern_name="llmserve:chat")),
-    # settings.LOGIN_URL: the standalone project's users are its admins (run.py creates the first one).
-    path("accounts/login/", admin.site.login, name="login"),
+    # The chat's sign-in (settings.LOGIN_URL); the standalone project's users are made in the admin.
+    path("accounts/login/", auth_views.LoginView.as_view(redirect_authenticated_user=True), name="login"),
+    path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("admin/", admin.site.urls),
     path("", include("llmserve.urls")),
 ]

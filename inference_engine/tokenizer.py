@@ -38,9 +38,10 @@ class Tokenizer:
     def eos_token_id(self) -> int:
         return self.eos_token_ids[0]
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; `add_special_tokens` adds the BOS token where the model wants one."""
         ids = self.backend.encode(text, add_special_tokens=False).ids
-        if self.add_bos_token and (not ids or ids[0] != self.bos_token_id):
+        if add_special_tokens and self.add_bos_token and (not ids or ids[0] != self.bos_token_id):
             ids = [self.bos_token_id, *ids]
         return ids
 

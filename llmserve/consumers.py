@@ -40,7 +40,6 @@ from inference_engine.bus.protocol import RequestDelta
 from inference_engine.errors import EngineError, ModelNotFoundError
 from llmserve import bus, conf
 from llmserve.api import errors, schema
-from llmserve.api.generation import _Timer
 from llmserve.api.models import _served
 from llmserve.auth import (
     AuthenticationFailed,
@@ -50,6 +49,7 @@ from llmserve.auth import (
     acheck_rate,
     bearer_token,
 )
+from llmserve.metrics import RequestTimer
 from llmserve.models import ModelConfig
 
 log = logging.getLogger("llmserve.chat")
@@ -204,7 +204,7 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
 
     async def _stream(self, answer: Answer, request: schema.GenerationRequest, configured: bool) -> None:
         """The token loop: its own task, so cancelling it (stop, disconnect) aborts the engine request."""
-        timer = _Timer(request.model, answer.received)
+        timer = RequestTimer(request.model, answer.received)
         try:
             try:
                 stream = await bus.async_client().generate(
@@ -212,7 +212,7 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
                 )
             except ModelNotFoundError:
                 raise ChatError.from_api(errors.model_not_served(request.model, configured)) from None
-            timer.accepted()
+            timer.accepted(stream.prompt_tokens or 0)
             async with stream:  # aborts the request however this block is left early
                 answer.prompt_tokens = stream.prompt_tokens or 0
                 await self.send_json(
@@ -231,7 +231,6 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
                         await self.send_json({"type": "delta", "id": answer.id, "text": text})
                     if delta.finished:
                         reasons = [o.finish_reason for o in delta.outputs]
-                        timer.finished(delta.usage, reasons)
                         if delta.usage is not None:
                             answer.completion_tokens = delta.usage.completion_tokens
                         await self.send_json(answer.end_message(reasons[0]))
@@ -242,6 +241,8 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
         except Exception:
             log.exception("chat answer failed")
             await self._send_error(ChatError("internal_error", "The answer failed on the server."), answer.id)
+        finally:
+            timer.aborted()  # stopped or disconnected (a finished answer is counted already)
 
     async def _stop(self) -> None:
         """Stop the running answer (a late stop, after the answer ended, is harmless)."""

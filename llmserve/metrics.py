@@ -1,20 +1,32 @@
-"""Prometheus metrics with the meanings of vLLM's, under ``llmserve_`` names, labelled by model.
+"""Prometheus metrics with the meanings of vLLM's, under ``llmserve_`` names and vLLM's own ``vllm:`` names
+(so dashboards made for vLLM work), labelled by ``model_name``.
 
-Two sources: latencies (time to first token, inter-token latency, end-to-end latency, queue time) and request
-counts are observed by this web process as it streams answers; engine state (running / waiting requests, KV
-usage, token counters, preemptions) comes from the replicas' heartbeats when /metrics is scraped. Written
-out by hand in the text exposition format: a few dozen lines, no extra dependency.
+Two sources. The web processes observe each engine request as they stream it (`RequestTimer`): latencies,
+finished requests by finish reason, and prompt / generated token counts per request. These live in
+prometheus_client's multiprocess mode when ``PROMETHEUS_MULTIPROC_DIR`` names a directory (the host
+project's settings set one, and its run command empties it at start), so that several web workers add up;
+without it, in this process. Engine state (running / waiting requests, KV usage, token totals, preemptions)
+comes from the replicas' heartbeats when /metrics is scraped.
+
+The two agree: one engine request is one ``request_success`` (per sample, as vLLM counts the n samples of a
+request), one time-to-first-token observation per sample that produced a token, and the sums of
+``request_prompt_tokens`` / ``request_generation_tokens`` equal the engines' ``prompt_tokens`` /
+``generation_tokens`` totals when every request came through the API and ran to its end.
 """
 
 from __future__ import annotations
 
-import bisect
-import threading
-from collections import defaultdict
-from collections.abc import Iterable
+import os
+import time
+from collections.abc import Iterable, Iterator
 
-from inference_engine.bus.protocol import ModelInfo
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 
+from inference_engine.bus.protocol import ModelInfo, RequestDelta
+
+PREFIX, VLLM_PREFIX = "llmserve_", "vllm:"
 LATENCY_BUCKETS = (
     0.005,
     0.01,
@@ -35,149 +47,186 @@ LATENCY_BUCKETS = (
     40.0,
     80.0,
 )
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+# vLLM names some of these differently across versions: each also goes out under these names.
+_EXTRA_VLLM_NAMES = {
+    "inter_token_latency_seconds": "time_per_output_token_seconds",
+    "kv_cache_usage_perc": "gpu_cache_usage_perc",
+}
 
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _labels(**labels: str) -> str:
-    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items()) + "}"
-
-
-class Histogram:
-    def __init__(self, name: str, help_text: str, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> None:
-        self.name, self.help, self.buckets = name, help_text, buckets
-        self._lock = threading.Lock()
-        self._counts: dict[str, list[int]] = defaultdict(lambda: [0] * (len(buckets) + 1))
-        self._sums: dict[str, float] = defaultdict(float)
-
-    def observe(self, model: str, value: float) -> None:
-        with self._lock:
-            self._counts[model][bisect.bisect_left(self.buckets, value)] += 1
-            self._sums[model] += value
-
-    def render(self) -> Iterable[str]:
-        yield f"# HELP {self.name} {self.help}"
-        yield f"# TYPE {self.name} histogram"
-        with self._lock:
-            for model, counts in sorted(self._counts.items()):
-                total = 0
-                for bound, count in zip((*self.buckets, float("inf")), counts, strict=True):
-                    total += count
-                    le = "+Inf" if bound == float("inf") else repr(bound)
-                    yield f"{self.name}_bucket{_labels(model_name=model, le=le)} {total}"
-                yield f"{self.name}_sum{_labels(model_name=model)} {self._sums[model]}"
-                yield f"{self.name}_count{_labels(model_name=model)} {total}"
-
-
-class Counter:
-    def __init__(self, name: str, help_text: str, label: str | None = None) -> None:
-        self.name, self.help, self.label = name, help_text, label
-        self._lock = threading.Lock()
-        self._values: dict[tuple[str, str], float] = defaultdict(float)
-
-    def inc(self, model: str, amount: float = 1.0, label_value: str = "") -> None:
-        with self._lock:
-            self._values[(model, label_value)] += amount
-
-    def render(self) -> Iterable[str]:
-        yield f"# HELP {self.name} {self.help}"
-        yield f"# TYPE {self.name} counter"
-        with self._lock:
-            for (model, extra), value in sorted(self._values.items()):
-                labels = {"model_name": model, **({self.label: extra} if self.label else {})}
-                yield f"{self.name}{_labels(**labels)} {value}"
-
-
+# The web-side metrics: registered in prometheus_client's default registry, whose multiprocess values (files)
+# `render` collects from every process.
 TIME_TO_FIRST_TOKEN = Histogram(
-    "llmserve_time_to_first_token_seconds", "Time from receiving a request to its first generated token."
+    "llmserve_time_to_first_token_seconds",
+    "Time from receiving a request to its first generated token.",
+    ["model_name"],
+    buckets=LATENCY_BUCKETS,
 )
 INTER_TOKEN_LATENCY = Histogram(
-    "llmserve_inter_token_latency_seconds", "Time between consecutive generated tokens of a request."
+    "llmserve_inter_token_latency_seconds",
+    "Time between consecutive generated tokens of a request.",
+    ["model_name"],
+    buckets=LATENCY_BUCKETS,
 )
 E2E_LATENCY = Histogram(
-    "llmserve_e2e_request_latency_seconds", "Time from receiving a request to its last token."
+    "llmserve_e2e_request_latency_seconds",
+    "Time from receiving a request to its last token.",
+    ["model_name"],
+    buckets=LATENCY_BUCKETS,
 )
 QUEUE_TIME = Histogram(
-    "llmserve_request_queue_time_seconds", "Time a request waited on the bus before an engine accepted it."
+    "llmserve_request_queue_time_seconds",
+    "Time a request waited on the bus before an engine accepted it.",
+    ["model_name"],
+    buckets=LATENCY_BUCKETS,
 )
-REQUESTS = Counter(
-    "llmserve_request_success_total", "Finished requests, by finish reason.", "finished_reason"
+REQUEST_SUCCESS = Counter(
+    "llmserve_request_success", "Finished requests, by finish reason.", ["model_name", "finished_reason"]
 )
-PROMPT_TOKENS_SERVED = Counter(
-    "llmserve_request_prompt_tokens_total", "Prompt tokens of requests served here."
+REQUEST_PROMPT_TOKENS = Histogram(
+    "llmserve_request_prompt_tokens",
+    "Prompt tokens of each finished request.",
+    ["model_name"],
+    buckets=TOKEN_BUCKETS,
 )
-GENERATION_TOKENS_SERVED = Counter(
-    "llmserve_request_generation_tokens_total", "Generated tokens of requests served here."
+REQUEST_GENERATION_TOKENS = Histogram(
+    "llmserve_request_generation_tokens",
+    "Generated tokens of each finished request (all its samples).",
+    ["model_name"],
+    buckets=TOKEN_BUCKETS,
 )
-WEB_METRICS = (
-    TIME_TO_FIRST_TOKEN,
-    INTER_TOKEN_LATENCY,
-    E2E_LATENCY,
-    QUEUE_TIME,
-    REQUESTS,
-    PROMPT_TOKENS_SERVED,
-    GENERATION_TOKENS_SERVED,
-)
+
+
+class RequestTimer:
+    """Observes one engine request into the metrics as its deltas arrive."""
+
+    def __init__(self, model: str, received: float) -> None:
+        self.model, self.received = model, received
+        self.submitted = time.monotonic()
+        self.prompt_tokens: int | None = None  # set once an engine accepted the request
+        self.last_token: dict[int, float] = {}  # sample index -> when its latest token arrived
+        self.tokens = 0
+        self.done = False
+
+    def accepted(self, prompt_tokens: int) -> None:
+        self.prompt_tokens = prompt_tokens
+        QUEUE_TIME.labels(self.model).observe(time.monotonic() - self.submitted)
+
+    def delta(self, delta: RequestDelta) -> None:
+        now = time.monotonic()
+        for output in delta.outputs:
+            if output.token_ids:
+                self.tokens += len(output.token_ids)
+                last = self.last_token.get(output.index)
+                if last is None:
+                    TIME_TO_FIRST_TOKEN.labels(self.model).observe(now - self.received)
+                else:  # tokens that arrived together share the wait
+                    for _ in output.token_ids:
+                        INTER_TOKEN_LATENCY.labels(self.model).observe((now - last) / len(output.token_ids))
+                self.last_token[output.index] = now
+        if delta.finished:
+            usage = delta.usage
+            self._finish(
+                [o.finish_reason or "unknown" for o in delta.outputs],
+                usage.completion_tokens if usage else None,
+            )
+
+    def aborted(self) -> None:
+        """The client went away or stopped the answer: count it as vLLM counts an abort."""
+        if self.prompt_tokens is not None and not self.done:
+            self._finish(["abort"] * max(1, len(self.last_token)), None)
+
+    def _finish(self, reasons: list[str], generated: int | None) -> None:
+        self.done = True
+        e2e = time.monotonic() - self.received
+        for reason in reasons:
+            REQUEST_SUCCESS.labels(self.model, reason).inc()
+            E2E_LATENCY.labels(self.model).observe(e2e)
+        REQUEST_PROMPT_TOKENS.labels(self.model).observe(self.prompt_tokens or 0)
+        REQUEST_GENERATION_TOKENS.labels(self.model).observe(self.tokens if generated is None else generated)
+
 
 # Engine metrics from heartbeats: (name, type, help, heartbeat stat, aggregate over replicas).
 _ENGINE_METRICS = (
+    ("num_requests_running", "gauge", "Requests in the engines' running batches.", "num_running", sum),
+    ("num_requests_waiting", "gauge", "Requests waiting in the engines' schedulers.", "num_waiting", sum),
     (
-        "llmserve_num_requests_running",
-        "gauge",
-        "Requests in the engines' running batches.",
-        "num_running",
-        sum,
-    ),
-    (
-        "llmserve_num_requests_waiting",
-        "gauge",
-        "Requests waiting in the engines' schedulers.",
-        "num_waiting",
-        sum,
-    ),
-    (
-        "llmserve_kv_cache_usage_perc",
+        "kv_cache_usage_perc",
         "gauge",
         "Fraction of KV-cache blocks in use (mean over replicas).",
         "kv_usage",
         lambda values: sum(values) / len(values),
     ),
+    ("prompt_tokens", "counter", "Prompt tokens processed by the engines.", "prompt_tokens_total", sum),
+    ("generation_tokens", "counter", "Tokens generated by the engines.", "generation_tokens_total", sum),
+    ("num_preemptions", "counter", "Requests preempted by the engines' schedulers.", "num_preemptions", sum),
     (
-        "llmserve_prompt_tokens_total",
+        "prefix_cache_hits",
         "counter",
-        "Prompt tokens processed by the engines.",
-        "prompt_tokens_total",
-        sum,
-    ),
-    (
-        "llmserve_generation_tokens_total",
-        "counter",
-        "Tokens generated by the engines.",
-        "generation_tokens_total",
-        sum,
-    ),
-    (
-        "llmserve_num_preemptions_total",
-        "counter",
-        "Requests preempted by the engines' schedulers.",
-        "num_preemptions",
+        "Prompt tokens found in the engines' prefix caches.",
+        "prefix_cache_hit_tokens",
         sum,
     ),
 )
 
 
-def render(models: list[ModelInfo]) -> str:
-    lines: list[str] = []
-    for name, kind, help_text, stat, aggregate in _ENGINE_METRICS:
-        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
-        for model in models:
-            values = [r.data.get("stats", {}).get(stat, 0) for r in model.replicas]
-            lines.append(f"{name}{_labels(model_name=model.name)} {aggregate(values)}")
-    lines.append("# HELP llmserve_engine_replicas Live engine replicas.")
-    lines.append("# TYPE llmserve_engine_replicas gauge")
-    lines += [f"llmserve_engine_replicas{_labels(model_name=m.name)} {len(m.replicas)}" for m in models]
-    for metric in WEB_METRICS:
-        lines += metric.render()
-    return "\n".join(lines) + "\n"
+class _EngineCollector:
+    """The engines' state as of their last heartbeats."""
+
+    def __init__(self, models: list[ModelInfo]) -> None:
+        self.models = models
+
+    def collect(self) -> Iterator[Metric]:
+        for name, kind, help_text, stat, aggregate in _ENGINE_METRICS:
+            family_class = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+            family = family_class(PREFIX + name, help_text, labels=["model_name"])
+            for model in self.models:
+                values = [r.data.get("stats", {}).get(stat, 0) for r in model.replicas]
+                family.add_metric([model.name], aggregate(values))
+            yield family
+        replicas = GaugeMetricFamily(
+            PREFIX + "engine_replicas", "Live engine replicas.", labels=["model_name"]
+        )
+        for model in self.models:
+            replicas.add_metric([model.name], len(model.replicas))
+        yield replicas
+
+
+class _Aliased:
+    """Every ``llmserve_`` family of `collectors`, and the same again under vLLM's names."""
+
+    def __init__(self, *collectors: object) -> None:
+        self.collectors = collectors
+
+    def collect(self) -> Iterator[Metric]:
+        for collector in self.collectors:
+            for family in collector.collect():
+                yield family
+                if family.name.startswith(PREFIX):
+                    short = family.name.removeprefix(PREFIX)
+                    for alias in (short, _EXTRA_VLLM_NAMES.get(short)):
+                        if alias:
+                            yield _renamed(family, VLLM_PREFIX + alias)
+
+
+def _renamed(family: Metric, name: str) -> Metric:
+    copy = Metric(name, family.documentation, family.type, family.unit)
+    copy.samples = [s._replace(name=name + s.name.removeprefix(family.name)) for s in family.samples]
+    return copy
+
+
+def _web_collector() -> Iterable[object]:
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry)
+        return registry
+    from prometheus_client import REGISTRY
+
+    return REGISTRY
+
+
+def render(models: list[ModelInfo]) -> bytes:
+    """The Prometheus text exposition of the engines' `models` and every web process's observations."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Aliased(_EngineCollector(models), _web_collector()))
+    return generate_latest(registry)

@@ -225,3 +225,26 @@ class APIKey(models.Model):
 
 # Bulk jobs and the Batch API keep their models in their own module; importing them here registers them.
 from llmserve.bulk.models import Batch, BatchFile, BulkItem, BulkJob  # noqa: E402, F401
+
+
+class StoredResponse(models.Model):
+    """A response of the Responses API (``/v1/responses``), kept so that clients can retrieve it and continue
+    the conversation with ``previous_response_id``."""
+
+    id = models.CharField(primary_key=True, max_length=64)
+    owner = models.ForeignKey(
+        APIKey, null=True, blank=True, on_delete=models.CASCADE, help_text=_("Only this key may read it.")
+    )
+    model = models.CharField(_("model"), max_length=100)
+    # The conversation this response continues and answered, as chat messages without the instructions
+    # (OpenAI does not carry instructions over to the next response).
+    conversation = models.JSONField(default=list)
+    body = models.JSONField(help_text=_("The response object as returned."))
+    created_at = models.DateTimeField(_("created"), default=timezone.now, db_index=True)
+
+    class Meta:
+        verbose_name = _("stored response")
+        ordering = ("-created_at",)
+
+    def __str__(self) -> str:
+        return self.id

@@ -44,7 +44,7 @@ from inference_engine.errors import (
     InvalidRequestError,
     ModelNotFoundError,
 )
-from inference_engine.outputs import CompletionOutput
+from inference_engine.outputs import CompletionOutput, Logprob
 from inference_engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -76,12 +76,28 @@ class GenerationResult:
     prompt_tokens: int
     outputs: list[CompletionOutput]
     usage: P.Usage
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_token_ids: list[int] | None = None  # with prompt_logprobs
 
 
 @dataclass
 class Tokenized:
     token_ids: list[int]
     max_model_len: int | None
+    token_strs: list[str | None] | None = None
+
+
+def _tokenize_message(
+    prompt: str | None, messages: list[dict] | None, add_special_tokens: bool, return_token_strs: bool
+) -> P.Tokenize:
+    fields = _prompt_fields(prompt, messages)
+    return P.Tokenize(
+        uuid.uuid4().hex, **fields, add_special_tokens=add_special_tokens, return_token_strs=return_token_strs
+    )
+
+
+def _tokenized(answer: P.Result) -> Tokenized:
+    return Tokenized(answer.token_ids, answer.max_model_len, answer.token_strs)
 
 
 # ------------------------------------------------------------------------------------ the shared core
@@ -138,7 +154,9 @@ class _Core:
             return True
         return bool((yield from self.live_replicas(model)))
 
-    def submit(self, model: str, message: P.Generate | P.Tokenize | P.Detokenize) -> Op[None]:
+    def submit(
+        self, model: str, message: P.Generate | P.Tokenize | P.Detokenize | P.TokenizerInfo
+    ) -> Op[None]:
         """Queue a request: generations on the stream of their priority, bounded by `max_queue` (interactive
         ones count only the interactive stream, so a bulk backlog never refuses them; low-priority ones count
         both, so bulk never grows the total past the bound); tokenizer requests on the utility stream."""
@@ -291,6 +309,8 @@ class _Accumulator:
         self.finished = False
         self.outputs: dict[int, CompletionOutput] = {}
         self.usage: P.Usage | None = None
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+        self.prompt_token_ids: list[int] | None = None
 
     def feed(self, message: P.Message) -> P.RequestDelta | None:
         if isinstance(message, P.Ack):
@@ -304,6 +324,8 @@ class _Accumulator:
             return None
         assert isinstance(message, P.Delta | P.Final), message
         delta = P.delta_from_message(self.request_id, message)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs, self.prompt_token_ids = delta.prompt_logprobs, delta.prompt_token_ids
         for d in delta.outputs:
             out = self.outputs.setdefault(d.index, CompletionOutput(d.index, "", []))
             out.text += d.text
@@ -318,7 +340,14 @@ class _Accumulator:
 
     def result(self) -> GenerationResult:
         outputs = [self.outputs[i] for i in sorted(self.outputs)]
-        return GenerationResult(self.request_id, self.prompt_tokens or 0, outputs, self.usage)
+        return GenerationResult(
+            self.request_id,
+            self.prompt_tokens or 0,
+            outputs,
+            self.usage,
+            self.prompt_logprobs,
+            self.prompt_token_ids,
+        )
 
 
 class _Waiter:
@@ -479,10 +508,20 @@ class EngineClient:
         return stream
 
     def tokenize(
-        self, model: str, prompt: str | None = None, *, messages: list[dict] | None = None
+        self,
+        model: str,
+        prompt: str | None = None,
+        *,
+        messages: list[dict] | None = None,
+        add_special_tokens: bool = True,
+        return_token_strs: bool = False,
     ) -> Tokenized:
-        result = self._call(model, P.Tokenize(uuid.uuid4().hex, **_prompt_fields(prompt, messages)))
-        return Tokenized(result.token_ids, result.max_model_len)
+        message = _tokenize_message(prompt, messages, add_special_tokens, return_token_strs)
+        return _tokenized(self._call(model, message))
+
+    def tokenizer_info(self, model: str) -> dict[str, Any]:
+        """The model's tokenizer facts (special tokens, chat template, context length)."""
+        return self._call(model, P.TokenizerInfo(uuid.uuid4().hex)).info
 
     def detokenize(self, model: str, token_ids: list[int]) -> str:
         return self._call(model, P.Detokenize(uuid.uuid4().hex, list(token_ids))).text
@@ -528,7 +567,7 @@ class EngineClient:
                 raise EngineUnavailableError(f"timed out after {timeout:g}s waiting for {what}.")
             time.sleep(0.1)
 
-    def _call(self, model: str, message: P.Tokenize | P.Detokenize) -> P.Result:
+    def _call(self, model: str, message: P.Tokenize | P.Detokenize | P.TokenizerInfo) -> P.Result:
         """A one-answer request (tokenize / detokenize) on the model's utility stream."""
         self._run(self._core.submit(model, message))
         return _answer(GenerationStream(self, model, message.id)._next(self.settings.ack_timeout))
@@ -719,10 +758,19 @@ class AsyncEngineClient:
         return stream
 
     async def tokenize(
-        self, model: str, prompt: str | None = None, *, messages: list[dict] | None = None
+        self,
+        model: str,
+        prompt: str | None = None,
+        *,
+        messages: list[dict] | None = None,
+        add_special_tokens: bool = True,
+        return_token_strs: bool = False,
     ) -> Tokenized:
-        result = await self._call(model, P.Tokenize(uuid.uuid4().hex, **_prompt_fields(prompt, messages)))
-        return Tokenized(result.token_ids, result.max_model_len)
+        message = _tokenize_message(prompt, messages, add_special_tokens, return_token_strs)
+        return _tokenized(await self._call(model, message))
+
+    async def tokenizer_info(self, model: str) -> dict[str, Any]:
+        return (await self._call(model, P.TokenizerInfo(uuid.uuid4().hex))).info
 
     async def detokenize(self, model: str, token_ids: list[int]) -> str:
         return (await self._call(model, P.Detokenize(uuid.uuid4().hex, list(token_ids)))).text
@@ -739,7 +787,7 @@ class AsyncEngineClient:
     async def list_models(self) -> list[P.ModelInfo]:
         return await self._run(self._core.list_models())
 
-    async def _call(self, model: str, message: P.Tokenize | P.Detokenize) -> P.Result:
+    async def _call(self, model: str, message: P.Tokenize | P.Detokenize | P.TokenizerInfo) -> P.Result:
         await self._run(self._core.submit(model, message))
         stream = AsyncGenerationStream(self, model, message.id)
         return _answer(await stream._next(self.settings.ack_timeout))

@@ -15,6 +15,7 @@ class DeltaTracker:
         self.prompt_tokens = prompt_tokens
         self._sent_text: dict[int, int] = {}
         self._sent_tokens: dict[int, int] = {}
+        self._sent_prompt_logprobs = False
 
     def messages(self, output: RequestOutput, replica: str) -> list[P.Delta | P.Final]:
         """The `delta` entry for this step's progress (if any) and, once finished, the `final` entry."""
@@ -36,6 +37,11 @@ class DeltaTracker:
             self._sent_text[out.index] = len(out.text)
             self._sent_tokens[out.index] = len(out.token_ids)
         messages: list[P.Delta | P.Final] = [P.Delta(changes, replica)] if changes else []
+        if messages and output.prompt_logprobs is not None and not self._sent_prompt_logprobs:
+            # Complete once the prompt is prefilled, which is when the first token arrives.
+            messages[0].prompt_logprobs = P.encode_prompt_logprobs(output.prompt_logprobs)
+            messages[0].prompt_token_ids = list(output.prompt_token_ids)
+            self._sent_prompt_logprobs = True
         if output.finished:
             reasons = [(o.index, o.finish_reason, o.stop_reason) for o in output.outputs]
             messages.append(self.final(reasons, replica))

@@ -48,7 +48,8 @@ them (`encode`, `parse`).
 Request (client -> ``req`` stream, or ``reqlow`` for ``generate`` with ``priority > 0``):
   ``{"type": "generate", "id", "prompt" | "prompt_token_ids" | "messages", "params": SamplingParams.to_dict(),
   "priority": int (lower = earlier, vLLM's convention), "arrival_time": float}``
-  ``{"type": "tokenize", "id", "prompt" | "messages"}`` / ``{"type": "detokenize", "id", "token_ids"}``
+  ``{"type": "tokenize", "id", "prompt" | "messages", "add_special_tokens"?, "return_token_strs"?}`` /
+  ``{"type": "detokenize", "id", "token_ids"}`` / ``{"type": "tokenizer_info", "id"}``
 
 Output (engine -> ``out`` stream), in this order:
   ``ack``    ``{"prompt_tokens": int, "replica": str}`` -- the engine accepted the request. Clients wait for
@@ -57,11 +58,14 @@ Output (engine -> ``out`` stream), in this order:
   ``delta``  ``{"outputs": [{"index", "text", "token_ids", "logprobs"}], "replica"}`` -- what is new since the
              previous delta, one entry per scheduler step covering every output index that progressed.
              ``logprobs`` is ``null`` or one list per new token of ``[token_id, logprob, rank, decoded]``.
+             The first delta of a request that asked for ``prompt_logprobs`` also carries
+             ``"prompt_logprobs"`` (one such list per prompt token, ``null`` for the first) and
+             ``"prompt_token_ids"``.
   ``final``  ``{"outputs": [{"index", "finish_reason", "stop_reason"}], "usage": {"prompt_tokens",
              "completion_tokens", "total_tokens"}, "replica"}`` -- always the last entry of a generation.
   ``error``  ``{"code": EngineError.code, "message"}`` -- terminal; may replace ``ack``.
-  ``result`` ``{"token_ids": [...], "count", "max_model_len"}`` or ``{"text"}`` -- answers tokenize /
-             detokenize.
+  ``result`` ``{"token_ids": [...], "count", "max_model_len", "token_strs"?}``, ``{"text"}`` or
+             ``{"info": {...}}`` -- answers tokenize / detokenize / tokenizer_info.
 
 Control (client -> ``control`` stream):
   ``{"type": "load", "name", "model": path | null, "engine_args": {...}}`` / ``{"type": "unload", "name"}``
@@ -189,6 +193,16 @@ class Tokenize(Message):
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     messages: list[dict] | None = None
+    add_special_tokens: bool | None = None  # None = True (the model's BOS where it wants one)
+    return_token_strs: bool | None = None
+
+
+@dataclass
+class TokenizerInfo(Message):
+    """Asks for the tokenizer facts vLLM's ``/tokenizer_info`` gives."""
+
+    type: ClassVar[str] = "tokenizer_info"
+    id: str
 
 
 @dataclass
@@ -212,6 +226,10 @@ class Delta(Message):
     type: ClassVar[str] = "delta"
     outputs: list[dict[str, Any]]
     replica: str
+    # On the first delta of a request that asked for them: one logprob list per prompt token (None for the
+    # first), and the prompt's ids.
+    prompt_logprobs: list | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 @dataclass
@@ -243,13 +261,16 @@ class Error(Message):
 
 @dataclass
 class Result(Message):
-    """The answer to a tokenize (`token_ids`, `count`, `max_model_len`) or detokenize (`text`) request."""
+    """The answer to a tokenize (`token_ids`, `count`, `max_model_len`, `token_strs` when asked), detokenize
+    (`text`) or tokenizer_info (`info`) request."""
 
     type: ClassVar[str] = "result"
     token_ids: list[int] | None = None
     count: int | None = None
     max_model_len: int | None = None
+    token_strs: list[str | None] | None = None
     text: str | None = None
+    info: dict[str, Any] | None = None
 
 
 @dataclass
@@ -268,9 +289,26 @@ class Unload(Message):
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
     kind.type: kind
-    for kind in (Generate, Tokenize, Detokenize, Ack, Delta, Final, Error, Result, Load, Unload)
+    for kind in (
+        Generate,
+        Tokenize,
+        Detokenize,
+        TokenizerInfo,
+        Ack,
+        Delta,
+        Final,
+        Error,
+        Result,
+        Load,
+        Unload,
+    )
 }
-GENERATE, TOKENIZE, DETOKENIZE = Generate.type, Tokenize.type, Detokenize.type
+GENERATE, TOKENIZE, DETOKENIZE, TOKENIZER_INFO = (
+    Generate.type,
+    Tokenize.type,
+    Detokenize.type,
+    TokenizerInfo.type,
+)
 ACK, DELTA, FINAL, ERROR, RESULT = Ack.type, Delta.type, Final.type, Error.type, Result.type
 LOAD, UNLOAD = Load.type, Unload.type
 
@@ -304,6 +342,17 @@ def decode_logprobs(data: list | None) -> list[dict[int, Logprob]] | None:
     return [{int(t): Logprob(lp, rank, tok) for t, lp, rank, tok in pos} for pos in data]
 
 
+def encode_prompt_logprobs(logprobs: list[dict[int, Logprob] | None]) -> list:
+    """Prompt logprobs: the first position has none (nothing precedes it)."""
+    return [None if pos is None else encode_logprobs([pos])[0] for pos in logprobs]
+
+
+def decode_prompt_logprobs(data: list | None) -> list[dict[int, Logprob] | None] | None:
+    if data is None:
+        return None
+    return [None if pos is None else decode_logprobs([pos])[0] for pos in data]
+
+
 @dataclass
 class CompletionDelta:
     """What is new for one output index since the previous delta."""
@@ -331,6 +380,8 @@ class RequestDelta:
     outputs: list[CompletionDelta]
     finished: bool = False
     usage: Usage | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # on the first delta, when asked for
+    prompt_token_ids: list[int] | None = None  # with prompt_logprobs
 
 
 def delta_from_message(request_id: str, message: Delta | Final) -> RequestDelta:
@@ -340,7 +391,12 @@ def delta_from_message(request_id: str, message: Delta | Final) -> RequestDelta:
             CompletionDelta(o["index"], o["text"], o["token_ids"], decode_logprobs(o.get("logprobs")))
             for o in message.outputs
         ]
-        return RequestDelta(request_id, outputs)
+        return RequestDelta(
+            request_id,
+            outputs,
+            prompt_logprobs=decode_prompt_logprobs(message.prompt_logprobs),
+            prompt_token_ids=message.prompt_token_ids,
+        )
     outputs = [
         CompletionDelta(o["index"], finish_reason=o["finish_reason"], stop_reason=o.get("stop_reason"))
         for o in message.outputs

@@ -329,20 +329,40 @@ class EngineServer:
     def _answer_utility(self, entry_id: str, message: P.Tokenize | P.Detokenize) -> None:
         answer: P.Message
         try:
+            tokenizer = self.engine.tokenizer
             if isinstance(message, P.Detokenize):
                 # Special tokens kept, as vLLM's /detokenize does: chat-templated ids round-trip.
-                text = self.engine.tokenizer.decode(message.token_ids, skip_special_tokens=False)
-                answer = P.Result(text=text)
+                answer = P.Result(text=tokenizer.decode(message.token_ids, skip_special_tokens=False))
+            elif isinstance(message, P.TokenizerInfo):
+                answer = P.Result(info=self._tokenizer_info())
             else:
                 prompt = self._prompt(message)
-                ids = prompt if isinstance(prompt, list) else self.engine.tokenizer.encode(prompt)
+                special = message.add_special_tokens is not False
+                ids = prompt if isinstance(prompt, list) else tokenizer.encode(prompt, special)
                 answer = P.Result(
                     token_ids=list(ids), count=len(ids), max_model_len=self.engine.max_model_len
                 )
+                if message.return_token_strs:
+                    answer.token_strs = [tokenizer.id_to_token(t) for t in ids]
         except Exception as exc:
             answer = P.Error.of(exc if isinstance(exc, EngineError) else InvalidRequestError(str(exc)))
         self._writes.append((message.id, answer))
         self._done.append((self.util_stream, entry_id))
+
+    def _tokenizer_info(self) -> dict[str, Any]:
+        """The tokenizer facts vLLM's ``/tokenizer_info`` gives (lm-eval's remote tokenizer reads them)."""
+        tokenizer = self.engine.tokenizer
+        bos = tokenizer.bos_token_id
+        return {
+            "tokenizer_class": type(tokenizer).__name__,
+            "bos_token": tokenizer.id_to_token(bos) if bos is not None else None,
+            "eos_token": tokenizer.id_to_token(tokenizer.eos_token_id),
+            "pad_token": None,
+            "add_bos_token": tokenizer.add_bos_token,
+            "chat_template": tokenizer.chat_template,
+            "model_max_length": self.engine.max_model_len,
+            "vocab_size": tokenizer.vocab_size,
+        }
 
     def _publish(self, outputs: list) -> None:
         for output in outputs:

@@ -13,7 +13,7 @@ from llmserve.auth import Principal
 
 @api_view(("POST",), json_body=True)
 async def completions(request: HttpRequest, body: dict[str, Any], principal: Principal) -> HttpResponse:
-    return await generation.respond(schema.parse("completion", body))
+    return await generation.respond(schema.parse("completion", body, several_prompts=True))
 
 
 @api_view(("POST",), json_body=True)

@@ -1,9 +1,10 @@
-"""One generation request through the bus: submit, then answer as JSON or as an SSE stream.
+"""Chat and completion requests through the bus: submit, then answer as JSON or as an SSE stream.
 
-`client.generate()` returns only after the engine accepted the request, so every refusal (bad parameter,
-prompt too long, overloaded, unknown model) is still a clean JSON error. After that, a stream can only fail
-in-band: an ``error`` event, then ``[DONE]``. When the client goes away, Django cancels the view (or closes
-the streaming generator); both paths abort the engine request, which frees its KV blocks within one step.
+`submit()` returns only after the engine accepted every engine request of the API request (one per prompt),
+so every refusal (bad parameter, prompt too long, overloaded, unknown model) is still a clean JSON error.
+After that, a stream can only fail in-band: an ``error`` event, then ``[DONE]``. When the client goes away,
+Django cancels the view (or closes the streaming generator); both paths abort the engine requests, which
+frees their KV blocks within one step. The Responses API submits through the same `submit()`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from asgiref.sync import sync_to_async
@@ -24,14 +26,36 @@ from inference_engine.bus.protocol import RequestDelta
 from inference_engine.errors import EngineError, ModelNotFoundError
 from llmserve import bus, metrics
 from llmserve.api import errors
-from llmserve.api.responses import ResponseBuilder
+from llmserve.api.responses import Echo, ResponseBuilder
 from llmserve.api.schema import GenerationRequest
 from llmserve.models import ModelConfig
 
 log = logging.getLogger("llmserve.api")
 
 
-async def respond(request: GenerationRequest) -> HttpResponse:
+@dataclass
+class Submitted:
+    """The accepted engine requests of one API request, in prompt order, each with its metrics timer."""
+
+    request: GenerationRequest
+    streams: list[AsyncGenerationStream]
+    timers: list[metrics.RequestTimer]
+
+    async def deltas(self) -> AsyncIterator[tuple[int, RequestDelta]]:
+        """(prompt number, delta) as they arrive from all the streams; observed into the metrics. Leaving
+        early (or failing) aborts every unfinished stream."""
+        async for prompt, delta in _merged(self.streams):
+            self.timers[prompt].delta(delta)
+            yield prompt, delta
+
+    async def abort(self) -> None:
+        for stream, timer in zip(self.streams, self.timers, strict=True):
+            if not stream.finished:
+                timer.aborted()
+                await asyncio.shield(stream.abort())
+
+
+async def submit(request: GenerationRequest) -> Submitted:
     received = time.monotonic()
     config = await ModelConfig.objects.filter(name=request.model).afirst()
     if config is not None and not config.enabled:
@@ -40,87 +64,115 @@ async def respond(request: GenerationRequest) -> HttpResponse:
     # waiting in the queue or streaming holds one (each ASGI request has its own thread and connection).
     await sync_to_async(close_old_connections)()
     client = bus.async_client()
-    timer = _Timer(request.model, received)
+    prompts = request.prompts if request.prompts is not None else [None]
+
+    async def one(prompt: str | list[int] | None) -> AsyncGenerationStream:
+        return await client.generate(request.model, prompt, request.params, messages=request.messages)
+
+    timers = [metrics.RequestTimer(request.model, received) for _ in prompts]
+    attempts = await asyncio.gather(*(one(p) for p in prompts), return_exceptions=True)
+    streams = [a for a in attempts if isinstance(a, AsyncGenerationStream)]
+    failed = next((a for a in attempts if isinstance(a, BaseException)), None)
+    if failed is not None:
+        await asyncio.gather(*(asyncio.shield(s.abort()) for s in streams))
+        if isinstance(failed, ModelNotFoundError):
+            raise errors.model_not_served(request.model, configured=config is not None) from None
+        raise failed
+    for timer, stream in zip(timers, streams, strict=True):
+        timer.accepted(stream.prompt_tokens or 0)
+    return Submitted(request, streams, timers)
+
+
+async def _merged(streams: list[AsyncGenerationStream]) -> AsyncIterator[tuple[int, RequestDelta]]:
+    if len(streams) == 1:
+        async for delta in streams[0]:
+            yield 0, delta
+        return
+    queue: asyncio.Queue[tuple[int, RequestDelta | Exception | None]] = asyncio.Queue()
+
+    async def pump(prompt: int, stream: AsyncGenerationStream) -> None:
+        try:
+            async for delta in stream:
+                await queue.put((prompt, delta))
+            await queue.put((prompt, None))
+        except Exception as exc:
+            await queue.put((prompt, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     try:
-        stream = await client.generate(
-            request.model, request.prompt, request.params, messages=request.messages
-        )
-    except ModelNotFoundError:
-        raise errors.model_not_served(request.model, configured=config is not None) from None
-    timer.accepted()
-    prompt_text = ""
-    if request.echo:
-        prompt_text = (
-            request.prompt
-            if isinstance(request.prompt, str)
-            else await client.detokenize(request.model, request.prompt)
-        )
-    builder = ResponseBuilder(request, prompt_text)
+        running = len(tasks)
+        while running:
+            prompt, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield prompt, item
+    finally:
+        for task in tasks:
+            task.cancel()  # a stream's iteration aborts its engine request when cancelled
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def respond(request: GenerationRequest) -> HttpResponse:
+    submitted = await submit(request)
+    try:
+        builder = ResponseBuilder(request, await _echoes(submitted))
+    except BaseException:
+        await submitted.abort()
+        raise
     if request.stream:
-        response = StreamingHttpResponse(_events(stream, builder, timer), content_type="text/event-stream")
+        response = StreamingHttpResponse(_events(submitted, builder), content_type="text/event-stream")
         response["Cache-Control"] = "no-cache"
         response["X-Accel-Buffering"] = "no"  # proxies must not buffer the stream
         return response
-    async for delta in stream:
-        timer.delta(delta)
-    result = await stream.result()
-    timer.finished(result.usage, [o.finish_reason for o in result.outputs])
-    return JsonResponse(builder.full(result))
+    try:
+        async for _ in submitted.deltas():
+            pass
+    finally:
+        await submitted.abort()  # a cancelled view (client gone) leaves nothing running
+    return JsonResponse(builder.full([await s.result() for s in submitted.streams]))
 
 
-def _sse(data: dict[str, Any] | str) -> bytes:
+async def _echoes(submitted: Submitted) -> list[Echo]:
+    """The prompts an ``echo`` completion shows; the first token's text where logprobs are asked for."""
+    request = submitted.request
+    if not request.echo:
+        return []
+    client = bus.async_client()
+    echoes = []
+    for prompt in request.prompts or []:
+        ids = prompt if isinstance(prompt, list) else None
+        text = prompt if isinstance(prompt, str) else await client.detokenize(request.model, prompt)
+        first = ""
+        if request.logprobs:
+            ids = ids or (await client.tokenize(request.model, text)).token_ids
+            first = await client.detokenize(request.model, ids[:1])
+        echoes.append(Echo(text, first))
+    return echoes
+
+
+def sse(data: dict[str, Any] | str, event: str | None = None) -> bytes:
     payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
-    return f"data: {payload}\n\n".encode()
+    return (f"event: {event}\n" if event else "").encode() + f"data: {payload}\n\n".encode()
 
 
-async def _events(
-    stream: AsyncGenerationStream, builder: ResponseBuilder, timer: _Timer
-) -> AsyncIterator[bytes]:
+async def _events(submitted: Submitted, builder: ResponseBuilder) -> AsyncIterator[bytes]:
+    usages: dict[int, Any] = {}
     try:
         for chunk in builder.first_chunks():
-            yield _sse(chunk)
-        async for delta in stream:
-            timer.delta(delta)
-            chunk = builder.delta_chunk(delta.outputs)
+            yield sse(chunk)
+        async for prompt, delta in submitted.deltas():
+            chunk = builder.delta_chunk(delta, prompt)
             if chunk is not None:
-                yield _sse(chunk)
+                yield sse(chunk)
             if delta.finished:
-                timer.finished(delta.usage, [d.finish_reason for d in delta.outputs])
-                if builder.request.include_usage:
-                    yield _sse(builder.usage_chunk(delta.usage))
+                usages[prompt] = delta.usage
+        if builder.request.include_usage:
+            yield sse(builder.usage_chunk([usages.get(i) for i in range(len(submitted.streams))]))
     except EngineError as exc:
-        yield _sse(errors.from_engine_error(exc).body())
+        yield sse(errors.from_engine_error(exc).body())
     finally:
-        if not stream.finished:  # the client went away (generator closed or task cancelled)
-            await asyncio.shield(stream.abort())
-    yield _sse("[DONE]")
-
-
-class _Timer:
-    """Observes one request's latencies into the metrics as its deltas arrive."""
-
-    def __init__(self, model: str, received: float) -> None:
-        self.model, self.received = model, received
-        self.submitted = time.monotonic()
-        self.last_token: float | None = None
-
-    def accepted(self) -> None:
-        metrics.QUEUE_TIME.observe(self.model, time.monotonic() - self.submitted)
-
-    def delta(self, delta: RequestDelta) -> None:
-        if not any(d.token_ids for d in delta.outputs):
-            return
-        now = time.monotonic()
-        if self.last_token is None:
-            metrics.TIME_TO_FIRST_TOKEN.observe(self.model, now - self.received)
-        else:
-            metrics.INTER_TOKEN_LATENCY.observe(self.model, now - self.last_token)
-        self.last_token = now
-
-    def finished(self, usage: Any, reasons: list[str | None]) -> None:
-        metrics.E2E_LATENCY.observe(self.model, time.monotonic() - self.received)
-        for reason in reasons:
-            metrics.REQUESTS.inc(self.model, label_value=reason or "unknown")
-        if usage is not None:
-            metrics.PROMPT_TOKENS_SERVED.inc(self.model, usage.prompt_tokens)
-            metrics.GENERATION_TOKENS_SERVED.inc(self.model, usage.completion_tokens)
+        await submitted.abort()  # the client went away (generator closed or task cancelled)
+    yield sse("[DONE]")

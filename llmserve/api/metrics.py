@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from django.http import HttpRequest, HttpResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from inference_engine.errors import EngineError
 from llmserve import bus
@@ -16,4 +17,4 @@ async def metrics(request: HttpRequest, principal: None) -> HttpResponse:
         models = await bus.async_client().list_models()
     except EngineError:
         models = []  # the web-side metrics are still worth scraping
-    return HttpResponse(registry.render(models), content_type="text/plain; version=0.0.4; charset=utf-8")
+    return HttpResponse(registry.render(models), content_type=CONTENT_TYPE_LATEST)

@@ -1,17 +1,20 @@
-"""OpenAI response bodies and stream chunks, built from what the bus returns.
+"""OpenAI response bodies and stream chunks of chat and completion requests, built from what the bus returns.
 
 Shapes follow the OpenAI API reference (and vLLM's server): ``chat.completion`` / ``chat.completion.chunk``
-and ``text_completion`` objects, usage counts, finish reasons, and logprobs in each endpoint's own format.
+and ``text_completion`` objects, usage counts, finish reasons, and logprobs in each endpoint's own format. A
+completion request with several prompts is one engine request per prompt; its choices are numbered
+``prompt * n + sample``, as OpenAI and vLLM number them.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from inference_engine.bus.client import GenerationResult
-from inference_engine.bus.protocol import CompletionDelta, Usage
+from inference_engine.bus.protocol import CompletionDelta, RequestDelta, Usage
 from inference_engine.outputs import Logprob
 from llmserve.api.schema import GenerationRequest
 
@@ -19,13 +22,24 @@ _OBJECT = {"chat": "chat.completion", "completion": "text_completion"}
 _CHUNK_OBJECT = {"chat": "chat.completion.chunk", "completion": "text_completion"}
 _ID_PREFIX = {"chat": "chatcmpl-", "completion": "cmpl-"}
 
+Positions = list[dict[int, Logprob] | None]
 
-def _finish_reason(reason: str | None) -> str | None:
+
+@dataclass
+class Echo:
+    """What an echoing completion shows of one prompt: its text, and the text of its first token (the one
+    position without a logprob)."""
+
+    text: str
+    first_token: str = ""
+
+
+def finish_reason(reason: str | None) -> str | None:
     # "abort" only happens when the client went away; it never reaches a client, but keep the enum valid.
     return "stop" if reason == "abort" else reason
 
 
-def _usage(usage: Usage | None) -> dict[str, int] | None:
+def usage_body(usage: Usage | None) -> dict[str, int] | None:
     if usage is None:
         return None
     return {
@@ -46,12 +60,15 @@ def _chosen(position: dict[int, Logprob], token_id: int | None) -> Logprob:
     return next(iter(position.values()))
 
 
+def _ranked(position: dict[int, Logprob]) -> list[Logprob]:
+    return sorted(position.values(), key=lambda lp: lp.rank if lp.rank is not None else 1 << 30)
+
+
 def chat_logprobs(logprobs: list[dict[int, Logprob]], token_ids: list[int], top: int) -> dict[str, Any]:
     content = []
     for i, position in enumerate(logprobs):
         chosen = _chosen(position, token_ids[i] if i < len(token_ids) else None)
         token = chosen.decoded_token or ""
-        ranked = sorted(position.items(), key=lambda kv: kv[1].rank if kv[1].rank is not None else 1 << 30)
         content.append(
             {
                 "token": token,
@@ -63,7 +80,7 @@ def chat_logprobs(logprobs: list[dict[int, Logprob]], token_ids: list[int], top:
                         "logprob": lp.logprob,
                         "bytes": _token_bytes(lp.decoded_token or ""),
                     }
-                    for _, lp in ranked[:top]
+                    for lp in _ranked(position)[:top]
                 ],
             }
         )
@@ -71,18 +88,26 @@ def chat_logprobs(logprobs: list[dict[int, Logprob]], token_ids: list[int], top:
 
 
 def completion_logprobs(
-    logprobs: list[dict[int, Logprob]], token_ids: list[int], top: int, text_offset: int
+    logprobs: Positions, token_ids: list[int], top: int, text_offset: int, first_token: str = ""
 ) -> dict[str, Any]:
+    """OpenAI's legacy logprobs. The first prompt token (echoed) has none: ``null``, its text `first_token`.
+    The chosen token is among each position's ``top_logprobs`` besides the `top` most likely, as in vLLM."""
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
     for i, position in enumerate(logprobs):
-        chosen = _chosen(position, token_ids[i] if i < len(token_ids) else None)
-        token = chosen.decoded_token or ""
-        tokens.append(token)
-        token_logprobs.append(chosen.logprob)
-        ranked = sorted(position.values(), key=lambda lp: lp.rank if lp.rank is not None else 1 << 30)
-        top_logprobs.append({lp.decoded_token or "": lp.logprob for lp in ranked[:top]} if top else None)
         offsets.append(text_offset)
-        text_offset += len(token)
+        if position is None:
+            tokens.append(first_token)
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+        else:
+            chosen = _chosen(position, token_ids[i] if i < len(token_ids) else None)
+            tokens.append(chosen.decoded_token or "")
+            token_logprobs.append(chosen.logprob)
+            top_logprobs.append(
+                {tokens[-1]: chosen.logprob}
+                | {lp.decoded_token or "": lp.logprob for lp in _ranked(position)[:top]}
+            )
+        text_offset += len(tokens[-1])
     return {
         "tokens": tokens,
         "token_logprobs": token_logprobs,
@@ -91,15 +116,28 @@ def completion_logprobs(
     }
 
 
-class ResponseBuilder:
-    """Builds one request's response (or its chunks) with a stable id and creation time."""
+def add_usage(usages: list[Usage | None]) -> Usage | None:
+    if any(u is None for u in usages):
+        return None
+    return Usage(
+        *(sum(getattr(u, f) for u in usages) for f in ("prompt_tokens", "completion_tokens", "total_tokens"))
+    )
 
-    def __init__(self, request: GenerationRequest, prompt_text: str = "") -> None:
+
+class ResponseBuilder:
+    """Builds one request's response (or its chunks) with a stable id and creation time.
+
+    `echoes` holds, per prompt, what an ``echo`` completion shows before its text (a bare string is the
+    echoed text of a single prompt).
+    """
+
+    def __init__(self, request: GenerationRequest, echoes: list[Echo] | str = "") -> None:
         self.request = request
         self.id = _ID_PREFIX[request.kind] + uuid.uuid4().hex
         self.created = int(time.time())
-        self.prompt_text = prompt_text  # echoed before completions with `echo`
+        self.echoes = [Echo(echoes)] if isinstance(echoes, str) else echoes
         self._text_offsets: dict[int, int] = {}
+        self._echoed: set[int] = set()  # prompts whose echo a stream has sent
 
     def _head(self, streaming: bool) -> dict[str, Any]:
         kind = self.request.kind
@@ -110,90 +148,119 @@ class ResponseBuilder:
             "model": self.request.model,
         }
 
-    def _logprobs(self, logprobs: list | None, token_ids: list[int], index: int) -> dict[str, Any] | None:
-        if not self.request.logprobs or logprobs is None:
-            return None
-        top = self.request.params.logprobs or 0
-        if self.request.kind == "chat":
-            return chat_logprobs(logprobs, token_ids, top)
-        offset = self._text_offsets.get(index, 0)
-        result = completion_logprobs(logprobs, token_ids, top, offset)
-        self._text_offsets[index] = offset + sum(len(t) for t in result["tokens"])
-        return result
+    def _index(self, prompt: int, index: int) -> int:
+        return prompt * self.request.params.n + index
 
-    def full(self, result: GenerationResult) -> dict[str, Any]:
+    def _usage(self, usage: Usage | None) -> Usage | None:
+        """What the client is told: a prompt-only echo generated nothing it will see."""
+        if usage is not None and self.request.prompt_only:
+            return Usage(usage.prompt_tokens, 0, usage.prompt_tokens)
+        return usage
+
+    def _completion_choice(
+        self,
+        prompt: int,
+        index: int,
+        text: str,
+        positions: Positions | None,
+        token_ids: list[int],
+        reason: str | None,
+        echo: tuple[Positions | None, list[int]] | None,
+    ) -> dict[str, Any]:
+        """One completion choice; `echo` (the prompt's logprobs and token ids) puts the prompt first."""
+        if self.request.prompt_only:
+            text, positions, token_ids = "", [], []
+        first_token = ""
+        if echo is not None:
+            text = self.echoes[prompt].text + text
+            first_token = self.echoes[prompt].first_token
+            if echo[0] is not None:
+                positions, token_ids = echo[0] + (positions or []), echo[1] + token_ids
+        logprobs = None
+        if self.request.logprobs and positions:
+            choice = self._index(prompt, index)
+            offset = self._text_offsets.get(choice, 0)
+            top = self.request.params.logprobs or 0
+            logprobs = completion_logprobs(positions, token_ids, top, offset, first_token)
+            self._text_offsets[choice] = offset + sum(len(t) for t in logprobs["tokens"])
+        return {
+            "index": self._index(prompt, index),
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason(reason),
+        }
+
+    def full(self, results: GenerationResult | list[GenerationResult]) -> dict[str, Any]:
+        results = [results] if isinstance(results, GenerationResult) else results
         choices = []
-        for out in result.outputs:
-            logprobs = self._logprobs(out.logprobs, out.token_ids, out.index)
-            if self.request.kind == "chat":
+        for prompt, result in enumerate(results):
+            for out in result.outputs:
+                if self.request.kind == "chat":
+                    logprobs = None
+                    if self.request.logprobs and out.logprobs is not None:
+                        logprobs = chat_logprobs(
+                            out.logprobs, out.token_ids, self.request.params.logprobs or 0
+                        )
+                    choices.append(
+                        {
+                            "index": out.index,
+                            "message": {"role": "assistant", "content": out.text},
+                            "logprobs": logprobs,
+                            "finish_reason": finish_reason(out.finish_reason),
+                        }
+                    )
+                    continue
+                echo = (result.prompt_logprobs, result.prompt_token_ids or []) if self.request.echo else None
                 choices.append(
-                    {
-                        "index": out.index,
-                        "message": {"role": "assistant", "content": out.text},
-                        "logprobs": logprobs,
-                        "finish_reason": _finish_reason(out.finish_reason),
-                    }
+                    self._completion_choice(
+                        prompt, out.index, out.text, out.logprobs, out.token_ids, out.finish_reason, echo
+                    )
                 )
-            else:
-                text = self.prompt_text + out.text if self.request.echo else out.text
-                choices.append(
-                    {
-                        "index": out.index,
-                        "text": text,
-                        "logprobs": logprobs,
-                        "finish_reason": _finish_reason(out.finish_reason),
-                    }
-                )
-        return {**self._head(False), "choices": choices, "usage": _usage(result.usage)}
+        usage = add_usage([self._usage(r.usage) for r in results])
+        return {**self._head(False), "choices": choices, "usage": usage_body(usage)}
 
     def first_chunks(self) -> list[dict[str, Any]]:
-        """What a stream starts with before any token: the assistant role (chat) or the echoed prompt."""
+        """What a chat stream starts with before any token: the assistant role."""
+        if self.request.kind != "chat":
+            return []
+        role = {"role": "assistant", "content": ""}
         n = self.request.params.n
-        if self.request.kind == "chat":
-            return [
-                self._chunk(
-                    [
-                        {
-                            "index": i,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                        for i in range(n)
-                    ]
-                )
-            ]
-        if self.request.echo and self.prompt_text:
-            return [
-                self._chunk(
-                    [
-                        {"index": i, "text": self.prompt_text, "logprobs": None, "finish_reason": None}
-                        for i in range(n)
-                    ]
-                )
-            ]
-        return []
+        return [
+            self._chunk(
+                [{"index": i, "delta": role, "logprobs": None, "finish_reason": None} for i in range(n)]
+            )
+        ]
 
-    def delta_chunk(self, outputs: list[CompletionDelta]) -> dict[str, Any] | None:
+    def delta_chunk(self, delta: RequestDelta, prompt: int = 0) -> dict[str, Any] | None:
+        """The chunk of one engine delta of prompt number `prompt`; an echoing completion's first chunk of a
+        prompt starts with the prompt."""
         choices = []
-        for d in outputs:
-            finish = _finish_reason(d.finish_reason)
-            if not d.text and not d.token_ids and finish is None:
+        echo = self.request.echo and prompt not in self._echoed
+        self._echoed.add(prompt)
+        for d in delta.outputs:
+            finish = finish_reason(d.finish_reason)
+            if not d.text and not d.token_ids and finish is None and not echo:
                 continue
-            logprobs = self._logprobs(d.logprobs, d.token_ids, d.index) if d.token_ids else None
             if self.request.kind == "chat":
-                delta = {"content": d.text} if d.text or finish is None else {}
-                choices.append(
-                    {"index": d.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-                )
-            else:
-                choices.append(
-                    {"index": d.index, "text": d.text, "logprobs": logprobs, "finish_reason": finish}
-                )
+                choices.append(self._chat_delta(d, finish))
+                continue
+            positions = d.logprobs if d.token_ids else None
+            echoed = (delta.prompt_logprobs, delta.prompt_token_ids or []) if echo else None
+            choices.append(
+                self._completion_choice(prompt, d.index, d.text, positions, d.token_ids, finish, echoed)
+            )
         return self._chunk(choices) if choices else None
 
-    def usage_chunk(self, usage: Usage | None) -> dict[str, Any]:
-        return {**self._head(True), "choices": [], "usage": _usage(usage)}
+    def _chat_delta(self, d: CompletionDelta, finish: str | None) -> dict[str, Any]:
+        logprobs = None
+        if self.request.logprobs and d.token_ids and d.logprobs is not None:
+            logprobs = chat_logprobs(d.logprobs, d.token_ids, self.request.params.logprobs or 0)
+        content = {"content": d.text} if d.text or finish is None else {}
+        return {"index": d.index, "delta": content, "logprobs": logprobs, "finish_reason": finish}
+
+    def usage_chunk(self, usages: list[Usage | None]) -> dict[str, Any]:
+        usage = add_usage([self._usage(u) for u in usages])
+        return {**self._head(True), "choices": [], "usage": usage_body(usage)}
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         chunk = {**self._head(True), "choices": choices}

@@ -1,14 +1,20 @@
-"""OpenAI request bodies -> what the bus needs (prompt or messages, `SamplingParams`), validated.
+"""OpenAI request bodies as pydantic models, and what the bus needs from them (prompts or messages,
+`SamplingParams`).
 
-Every check here answers 400 with the offending ``param``: types are checked strictly (JSON ``true`` is not a
-number), ranges by `SamplingParams` itself, so the engine only ever sees requests it can serve. Pure
-functions of the body, so the Batch API (Celery tasks) reuses them for its JSONL lines.
+One set of models serves the REST views, the WebSocket chat consumer and the Batch API, and `/openapi.json`
+is generated from them. They are strict (JSON ``true`` is not a number, ``"5"`` is not an integer), refuse
+unknown fields (``extra="forbid"``) and non-finite numbers, and carry the ranges `SamplingParams` enforces
+again on the engine side. A refusal is a 400 whose ``param`` is the validation location in the body
+(``messages[0].role``), so the engine only ever sees requests it can serve.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from inference_engine.errors import InvalidRequestError
 from inference_engine.sampling_params import SamplingParams
@@ -17,233 +23,356 @@ from llmserve.api.errors import BadRequest
 
 Kind = Literal["chat", "completion"]
 
-_NUMBER = (int, float)
-# Body field -> accepted JSON types; None is always accepted and means "default".
-_SAMPLING_FIELDS: dict[str, tuple[type, ...]] = {
-    "n": (int,),
-    "temperature": _NUMBER,
-    "top_p": _NUMBER,
-    "top_k": (int,),
-    "min_p": _NUMBER,
-    "presence_penalty": _NUMBER,
-    "frequency_penalty": _NUMBER,
-    "repetition_penalty": _NUMBER,
-    "seed": (int,),
-    "max_tokens": (int,),
-    "min_tokens": (int,),
-    "ignore_eos": (bool,),
-    "stop_token_ids": (list,),
-    "include_stop_str_in_output": (bool,),
-    "skip_special_tokens": (bool,),
-    "logit_bias": (dict,),
-}
-_COMMON_FIELDS = {"model", "stream", "stream_options", "user", "stop", *_SAMPLING_FIELDS}
-_FIELDS: dict[Kind, set[str]] = {
-    "chat": _COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"},
-    "completion": _COMMON_FIELDS | {"prompt", "logprobs", "echo", "suffix"},
-}
-_ROLES = {"system", "developer", "user", "assistant", "tool"}
+MAX_LOGPROBS = 20
+
+
+class RequestModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+def _stop_strings(value: str | list[str] | None) -> str | list[str] | None:
+    strings = [value] if isinstance(value, str) else value or []
+    if any(not s for s in strings):
+        raise ValueError("stop strings must not be empty")
+    if len(strings) > 16:
+        raise ValueError("at most 16 stop strings are allowed")
+    return value
+
+
+def _token_biases(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Checked here as a whole, so that every problem is reported as ``logit_bias`` (as OpenAI does)."""
+    for token, bias in (value or {}).items():
+        if not token.isdigit():
+            raise ValueError(f"keys must be token ids, got {token!r}")
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100 <= bias <= 100:
+            raise ValueError(f"biases must be numbers in [-100, 100], got {bias!r} for token {token}")
+    return value
+
+
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+Stop = Annotated[str | list[str] | None, AfterValidator(_stop_strings)]
+LogitBias = Annotated[
+    dict[str, Any] | None,
+    AfterValidator(_token_biases),
+    Field(json_schema_extra={"additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}}),
+]
+Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+
+
+class StreamOptions(RequestModel):
+    include_usage: bool = False
+
+
+class SamplingFields(RequestModel):
+    """The sampling fields chat and completion requests share (OpenAI's and vLLM's extra ones)."""
+
+    model: Annotated[str, Field(min_length=1)]
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    stop: Stop = None
+    n: Annotated[int, Field(ge=1, le=128)] | None = None
+    temperature: Annotated[float, Field(ge=0)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0, le=2)] | None = None
+    seed: int | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = Field(
+        None, description="Default: the rest of the model's context."
+    )
+    min_tokens: Annotated[int, Field(ge=0)] | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    logit_bias: LogitBias = None
+
+    def sampling_values(self) -> dict[str, Any]:
+        """The given `SamplingParams` fields; ``max_tokens`` always (None = the rest of the context)."""
+        names = set(SamplingFields.model_fields) - {"model", "stream", "stream_options", "user"}
+        values = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+        if "logit_bias" in values:
+            values["logit_bias"] = {int(k): float(v) for k, v in values["logit_bias"].items()}
+        values["max_tokens"] = self.max_tokens or conf.get("MAX_TOKENS_DEFAULT")
+        return values
+
+
+class TextPart(RequestModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(RequestModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = Field(
+        None, description="Text, or text parts: a text model reads text."
+    )
+    name: str | None = None
+
+    def as_engine_message(self) -> dict[str, str]:
+        """What the engine's chat template reads. ``developer`` is OpenAI's newer name for ``system``."""
+        content = (
+            self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
+        )
+        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    logprobs: bool = False
+    top_logprobs: Logprobs | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: (
+        Annotated[str, Field(min_length=1)]
+        | TokenIds
+        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+        | Annotated[list[TokenIds], Field(min_length=1)]
+    ) = Field(description="A prompt (text or token ids), or a list of prompts answered in one response.")
+    max_tokens: Annotated[int, Field(ge=0)] | None = Field(
+        None,
+        description="Default: the rest of the model's context. 0 (with `echo`): only the prompt's logprobs.",
+    )
+    logprobs: Logprobs | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+
+class ResponseInputText(RequestModel):
+    type: Literal["input_text", "output_text"]
+    text: str
+    annotations: list[dict[str, Any]] | None = None  # on output_text parts a client sends back
+    logprobs: list[dict[str, Any]] | None = None
+
+
+class ResponseInputMessage(RequestModel):
+    """A message of a Responses API ``input``; also what its ``output`` items look like when sent back."""
+
+    type: Literal["message"] | None = None
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[ResponseInputText]
+    id: str | None = None
+    status: str | None = None
+
+    def as_chat_message(self) -> ChatMessage:
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return ChatMessage(role=self.role, content=text)
+
+
+class ResponsesRequest(RequestModel):
+    """``POST /v1/responses``: what the chat path serves of OpenAI's Responses API (text in, text out)."""
+
+    model: Annotated[str, Field(min_length=1)]
+    input: Annotated[str, Field(min_length=1)] | Annotated[list[ResponseInputMessage], Field(min_length=1)]
+    instructions: str | None = Field(None, description="A system message for this response only.")
+    previous_response_id: str | None = None
+    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    stream: bool = False
+    store: bool = True
+    metadata: Annotated[dict[str, str], Field(max_length=16)] | None = None
+    user: str | None = None
+
+    def input_messages(self) -> list[ChatMessage]:
+        if isinstance(self.input, str):
+            return [ChatMessage(role="user", content=self.input)]
+        return [item.as_chat_message() for item in self.input]
+
+
+class TokenizeRequest(RequestModel):
+    model: Annotated[str, Field(min_length=1)] | None = Field(
+        None, description="Default: the only served model."
+    )
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(RequestModel):
+    model: Annotated[str, Field(min_length=1)] | None = Field(
+        None, description="Default: the only served model."
+    )
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
+class BatchRequestLine(RequestModel):
+    """A line of a Batch API input file."""
+
+    custom_id: Annotated[str, Field(min_length=1)]
+    method: Literal["POST"] = "POST"
+    url: str
+    body: dict[str, Any]
+
+
+Model = TypeVar("Model", bound=BaseModel)
+
+
+def validate(model: type[Model], body: dict[str, Any]) -> Model:
+    """`body` as `model`, or `BadRequest` about the first problem, its ``param`` the path into the body."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise _bad_request(exc, body) from None
+
+
+def _bad_request(exc: ValidationError, body: dict[str, Any]) -> BadRequest:
+    problems = exc.errors(include_url=False)
+    param = _param(problems[0]["loc"], body, problems[0]["type"] == "missing")
+    # A field of several types fails once per type; say them all.
+    reasons = [_reason(p) for p in problems if _param(p["loc"], body, p["type"] == "missing") == param]
+    first = problems[0]["type"]
+    code = (
+        "unknown_parameter"
+        if first == "extra_forbidden"
+        else "missing_required_parameter"
+        if first == "missing"
+        else "invalid_type"
+        if first.endswith("_type") or first in ("model_attributes_type", "union_tag_invalid")
+        else "invalid_value"
+    )
+    if first == "extra_forbidden":
+        return BadRequest(f"Unrecognized request argument supplied: {param}.", param=param, code=code)
+    return BadRequest(f"`{param}`: {', or '.join(dict.fromkeys(reasons))}.", param=param, code=code)
+
+
+def _reason(problem: dict[str, Any]) -> str:
+    """pydantic's message, without what only a Python programmer would follow."""
+    message = re.sub(r" or instance of \w+", "", problem["msg"].removeprefix("Value error, "))
+    return message[0].lower() + message[1:]
+
+
+def _param(loc: tuple[int | str, ...], body: Any, missing: bool) -> str | None:
+    """The location of a validation error as a path into what was sent (``messages[0].content``).
+
+    Locations also name the member of a union that failed (``list[str]``); only steps that exist in the
+    body are kept, plus the last one for a missing field.
+    """
+    path, value = "", body
+    for i, step in enumerate(loc):
+        if isinstance(value, dict) and isinstance(step, str) and step in value:
+            path, value = f"{path}.{step}" if path else step, value[step]
+        elif isinstance(value, list) and isinstance(step, int) and 0 <= step < len(value):
+            path, value = f"{path}[{step}]", value[step]
+        elif missing and i == len(loc) - 1 and isinstance(step, str):
+            path = f"{path}.{step}" if path else step
+    return path or None
+
+
+# ------------------------------------------------------------------------------------- the bus request
 
 
 @dataclass
 class GenerationRequest:
+    """A validated chat or completion request: what the bus needs, and what shapes the answer."""
+
     kind: Kind
     model: str
     params: SamplingParams
-    prompt: str | list[int] | None = None
+    prompts: list[str | list[int]] | None = None
     messages: list[dict[str, str]] | None = None
     stream: bool = False
     include_usage: bool = False
     echo: bool = False
     logprobs: bool = False  # whether the answer carries logprobs (their count is params.logprobs)
+    prompt_only: bool = False  # max_tokens 0 with echo: the prompt's logprobs, nothing generated
+
+    @property
+    def prompt(self) -> str | list[int] | None:
+        """The prompt of a single-prompt request."""
+        return self.prompts[0] if self.prompts else None
 
 
-def parse(kind: Kind, body: dict[str, Any]) -> GenerationRequest:
-    """Validate an OpenAI /v1/completions or /v1/chat/completions body."""
-    unknown = sorted(set(body) - _FIELDS[kind])
-    if unknown:
-        raise BadRequest(
-            f"Unrecognized request argument supplied: {unknown[0]}.",
-            param=unknown[0],
-            code="unknown_parameter",
-        )
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise BadRequest("`model` is required and must be a non-empty string.", param="model")
-    stream = _typed(body, "stream", (bool,), False)
-    include_usage = False
-    options = body.get("stream_options")
-    if options is not None:
-        if not stream:
-            raise BadRequest(
-                "`stream_options` is only allowed when `stream` is true.", param="stream_options"
-            )
-        if not isinstance(options, dict) or set(options) - {"include_usage"}:
-            raise BadRequest(
-                '`stream_options` must be an object like {"include_usage": true}.', param="stream_options"
-            )
-        include_usage = _typed(options, "include_usage", (bool,), False, param="stream_options.include_usage")
-    _typed(body, "user", (str,), None)
+def parse(kind: Kind, body: dict[str, Any], *, several_prompts: bool = False) -> GenerationRequest:
+    """Validate an OpenAI /v1/completions or /v1/chat/completions body.
 
-    values = {name: _typed(body, name, types, None) for name, types in _SAMPLING_FIELDS.items()}
-    values["stop"] = _stop(body.get("stop"))
+    A completion may hold a list of prompts only with `several_prompts` (the REST endpoint answers them in
+    one response; a batch line or a chat message is one engine request).
+    """
     if kind == "chat":
-        messages = _messages(body.get("messages"))
-        prompt = None
-        max_completion = _typed(body, "max_completion_tokens", (int,), None)
-        if max_completion is not None:
-            values["max_tokens"] = max_completion
-        wants_logprobs = _typed(body, "logprobs", (bool,), False)
-        top = _typed(body, "top_logprobs", (int,), None)
-        if top is not None and not wants_logprobs:
-            raise BadRequest("`top_logprobs` requires `logprobs` to be true.", param="top_logprobs")
-        values["logprobs"] = (top or 0) if wants_logprobs else None
-        echo = False
-        size = sum(len(m["content"]) for m in messages)
-    else:
-        messages, prompt = None, _prompt(body.get("prompt"))
-        if body.get("suffix") is not None:
-            raise BadRequest("`suffix` is not supported.", param="suffix")
-        values["logprobs"] = _typed(body, "logprobs", (int,), None)
-        wants_logprobs = values["logprobs"] is not None
-        echo = _typed(body, "echo", (bool,), False)
-        if echo and wants_logprobs:
-            raise BadRequest("`echo` together with `logprobs` is not supported.", param="echo")
-        size = len(prompt)
-    if size > conf.get("MAX_PROMPT_CHARS"):
-        raise BadRequest(
-            f"The prompt has {size} characters; the limit is {conf.get('MAX_PROMPT_CHARS')}.",
-            param="messages" if kind == "chat" else "prompt",
-            code="prompt_too_long",
-        )
-    if values["max_tokens"] is None:
-        values["max_tokens"] = conf.get("MAX_TOKENS_DEFAULT")
-    params = _sampling_params(values, renamed={"logprobs": "top_logprobs"} if kind == "chat" else {})
+        return chat_request(validate(ChatCompletionRequest, body))
+    return completion_request(validate(CompletionRequest, body), several_prompts)
+
+
+def _stream_fields(body: SamplingFields) -> bool:
+    if body.stream_options is not None and not body.stream:
+        raise BadRequest("`stream_options` is only allowed when `stream` is true.", param="stream_options")
+    return body.stream_options is not None and body.stream_options.include_usage
+
+
+def chat_request(body: ChatCompletionRequest) -> GenerationRequest:
+    include_usage = _stream_fields(body)
+    values = body.sampling_values()
+    if body.max_completion_tokens is not None:
+        values["max_tokens"] = body.max_completion_tokens
+    if body.top_logprobs is not None and not body.logprobs:
+        raise BadRequest("`top_logprobs` requires `logprobs` to be true.", param="top_logprobs")
+    values["logprobs"] = (body.top_logprobs or 0) if body.logprobs else None
+    messages = [m.as_engine_message() for m in body.messages]
+    _check_size(sum(len(m["content"]) for m in messages), "messages")
     return GenerationRequest(
-        kind, model, params, prompt, messages, stream, include_usage, echo, wants_logprobs
+        "chat",
+        body.model,
+        _sampling_params(values),
+        messages=messages,
+        stream=body.stream,
+        include_usage=include_usage,
+        logprobs=body.logprobs,
     )
 
 
-def _typed(
-    body: dict[str, Any], name: str, types: tuple[type, ...], default: Any, param: str | None = None
-) -> Any:
-    value = body.get(name)
-    if value is None:
-        return default
-    # bool is an int subclass in Python but not a number in JSON.
-    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-        expected = " or ".join(_JSON_NAMES[t] for t in types)
+def completion_request(body: CompletionRequest, several_prompts: bool = False) -> GenerationRequest:
+    include_usage = _stream_fields(body)
+    prompt = body.prompt
+    prompts = prompt if isinstance(prompt, list) and isinstance(prompt[0], str | list) else [prompt]
+    if len(prompts) > 1 and not several_prompts:
+        raise BadRequest("Only one prompt per request is supported here.", param="prompt")
+    if body.suffix is not None:
         raise BadRequest(
-            f"`{param or name}` must be {expected}, got {type(value).__name__} {value!r:.40}.",
-            param=param or name,
-            code="invalid_type",
+            "`suffix` needs a model whose template has fill-in-the-middle tokens; this one has none.",
+            param="suffix",
         )
-    return value
+    values = body.sampling_values()
+    prompt_only = body.max_tokens == 0
+    if prompt_only:
+        if not body.echo:
+            raise BadRequest("`max_tokens` 0 is only allowed with `echo`.", param="max_tokens")
+        # As vLLM: generate one token to get the prompt scored, and show none of it.
+        values["max_tokens"] = 1
+    if body.echo and body.logprobs is not None:
+        values["prompt_logprobs"] = body.logprobs
+    values["logprobs"] = body.logprobs
+    _check_size(sum(len(p) for p in prompts), "prompt")
+    return GenerationRequest(
+        "completion",
+        body.model,
+        _sampling_params(values),
+        prompts=prompts,
+        stream=body.stream,
+        include_usage=include_usage,
+        echo=body.echo,
+        logprobs=body.logprobs is not None,
+        prompt_only=prompt_only,
+    )
 
 
-_JSON_NAMES = {
-    int: "an integer",
-    float: "a number",
-    bool: "a boolean",
-    str: "a string",
-    list: "an array",
-    dict: "an object",
-}
-
-
-def _stop(value: Any) -> list[str] | None:
-    if value is None:
-        return None
-    if isinstance(value, str):
-        value = [value]
-    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
-        raise BadRequest("`stop` must be a string or an array of strings.", param="stop", code="invalid_type")
-    return value
-
-
-def _prompt(value: Any) -> str | list[int]:
-    # OpenAI also accepts a list of prompts; one request here is one engine request, so one prompt.
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
-        value = value[0]
-    if isinstance(value, str):
-        if not value:
-            raise BadRequest("`prompt` must not be empty.", param="prompt")
-        return value
-    if is_token_ids(value):
-        return value
-    if isinstance(value, list) and len(value) > 1 and all(isinstance(p, str | list) for p in value):
+def _check_size(size: int, param: str) -> None:
+    limit = conf.get("MAX_PROMPT_CHARS")
+    if size > limit:
         raise BadRequest(
-            "Only one prompt per request is supported; send one request per prompt.", param="prompt"
+            f"The prompt has {size} characters; the limit is {limit}.", param=param, code="prompt_too_long"
         )
-    raise BadRequest("`prompt` must be a non-empty string or array of token ids.", param="prompt")
 
 
-def is_token_ids(value: Any, allow_empty: bool = False) -> bool:
-    """A JSON array of integers (not booleans, which Python counts as ints)."""
-    return (
-        isinstance(value, list)
-        and (allow_empty or bool(value))
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
-    )
-
-
-def _messages(value: Any) -> list[dict[str, str]]:
-    if not isinstance(value, list) or not value:
-        raise BadRequest("`messages` must be a non-empty array.", param="messages")
-    messages = []
-    for i, message in enumerate(value):
-        param = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise BadRequest(f"`{param}` must be an object.", param=param)
-        role = message.get("role")
-        if role not in _ROLES:
-            raise BadRequest(
-                f"`{param}.role` must be one of {', '.join(sorted(_ROLES))}.", param=param + ".role"
-            )
-        messages.append({"role": role, "content": _content(message.get("content"), param + ".content")})
-    return messages
-
-
-def _content(value: Any, param: str) -> str:
-    """Message content as text: a string, or an array of text parts (all a text model reads)."""
-    if value is None:
-        return ""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        texts = []
-        for part in value:
-            text = part.get("text") if isinstance(part, dict) and part.get("type") == "text" else None
-            if not isinstance(text, str):
-                raise BadRequest(
-                    f'`{param}` parts must be {{"type": "text", "text": ...}}; this model reads text only.',
-                    param=param,
-                )
-            texts.append(part["text"])
-        return "".join(texts)
-    raise BadRequest(
-        f"`{param}` must be a string or an array of text parts.", param=param, code="invalid_type"
-    )
-
-
-def _sampling_params(values: dict[str, Any], renamed: dict[str, str]) -> SamplingParams:
-    """`SamplingParams` from the body's values; `renamed` maps its field names back to the body's."""
-    given = {k: v for k, v in values.items() if v is not None}
-    if "logit_bias" in given:
-        try:
-            given["logit_bias"] = {int(k): float(v) for k, v in given["logit_bias"].items()}
-        except (TypeError, ValueError):
-            raise BadRequest("`logit_bias` must map token ids to numbers.", param="logit_bias") from None
-    if "stop_token_ids" in given and not is_token_ids(given["stop_token_ids"], allow_empty=True):
-        raise BadRequest("`stop_token_ids` must be an array of integers.", param="stop_token_ids")
+def _sampling_params(values: dict[str, Any]) -> SamplingParams:
+    """What the models cannot check field by field (e.g. ``min_tokens`` against ``max_tokens``)."""
     try:
-        return SamplingParams(**given)
+        return SamplingParams(**values)
     except InvalidRequestError as exc:
-        param = _param_of(str(exc))
-        raise BadRequest(str(exc), param=renamed.get(param, param)) from None
-
-
-def _param_of(message: str) -> str | None:
-    """The parameter a SamplingParams message is about (it starts with the field name)."""
-    head = message.split(" ", 1)[0]
-    return head if head in _SAMPLING_FIELDS or head in ("stop", "logprobs") else None
+        raise BadRequest(str(exc)) from None

@@ -1,4 +1,6 @@
-"""``POST /tokenize`` and ``POST /detokenize`` (vLLM's extensions), answered by the model's own engine."""
+"""vLLM's tokenizer endpoints, answered by the model's own engine: ``POST /tokenize``, ``POST /detokenize``
+and ``GET /tokenizer_info`` (what lm-eval's remote tokenizer reads). Without ``model`` they use the only
+served model, as vLLM (which serves one) does."""
 
 from __future__ import annotations
 
@@ -10,15 +12,22 @@ from inference_engine.errors import ModelNotFoundError
 from llmserve import bus, conf
 from llmserve.api import errors, schema
 from llmserve.api.decorators import api_view
+from llmserve.api.models import _served
 from llmserve.auth import Principal
 from llmserve.models import ModelConfig
 
 
-def _model(body: dict[str, Any]) -> str:
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise errors.BadRequest("`model` is required and must be a non-empty string.", param="model")
-    return model
+async def _model(name: str | None) -> str:
+    if name is not None:
+        return name
+    served = list(await _served())
+    if len(served) != 1:
+        raise errors.BadRequest(
+            f"`model` is required: {len(served)} models are served, not one.",
+            param="model",
+            code="missing_required_parameter",
+        )
+    return served[0]
 
 
 async def _not_served(model: str) -> errors.APIError:
@@ -28,37 +37,49 @@ async def _not_served(model: str) -> errors.APIError:
 
 @api_view(("POST",), json_body=True)
 async def tokenize(request: HttpRequest, body: dict[str, Any], principal: Principal) -> HttpResponse:
-    model = _model(body)
-    if set(body) - {"model", "prompt", "messages"} or ("prompt" in body) == ("messages" in body):
-        raise errors.BadRequest("Send `model` and exactly one of `prompt` (a string) and `messages`.")
-    prompt = messages = None
-    if "messages" in body:
-        messages = schema.parse("chat", {"model": model, "messages": body["messages"]}).messages
-    else:
-        prompt = body["prompt"]
-        if not isinstance(prompt, str):
-            raise errors.BadRequest("`prompt` must be a string.", param="prompt", code="invalid_type")
-        if len(prompt) > conf.get("MAX_PROMPT_CHARS"):
-            raise errors.BadRequest("The prompt is too long.", param="prompt", code="prompt_too_long")
+    data = schema.validate(schema.TokenizeRequest, body)
+    if (data.prompt is None) == (data.messages is None):
+        raise errors.BadRequest("Send exactly one of `prompt` (a string) and `messages`.", param="prompt")
+    if data.prompt is not None and len(data.prompt) > conf.get("MAX_PROMPT_CHARS"):
+        raise errors.BadRequest("The prompt is too long.", param="prompt", code="prompt_too_long")
+    messages = [m.as_engine_message() for m in data.messages] if data.messages else None
+    model = await _model(data.model)
     try:
-        result = await bus.async_client().tokenize(model, prompt, messages=messages)
+        result = await bus.async_client().tokenize(
+            model,
+            data.prompt,
+            messages=messages,
+            add_special_tokens=data.add_special_tokens,
+            return_token_strs=data.return_token_strs,
+        )
     except ModelNotFoundError:
         raise await _not_served(model) from None
-    return JsonResponse(
-        {"tokens": result.token_ids, "count": len(result.token_ids), "max_model_len": result.max_model_len}
-    )
+    answer: dict[str, Any] = {
+        "tokens": result.token_ids,
+        "count": len(result.token_ids),
+        "max_model_len": result.max_model_len,
+    }
+    if data.return_token_strs:
+        answer["token_strs"] = result.token_strs
+    return JsonResponse(answer)
 
 
 @api_view(("POST",), json_body=True)
 async def detokenize(request: HttpRequest, body: dict[str, Any], principal: Principal) -> HttpResponse:
-    model = _model(body)
-    tokens = body.get("tokens")
-    if not schema.is_token_ids(tokens, allow_empty=True):
-        raise errors.BadRequest(
-            "`tokens` must be an array of token ids.", param="tokens", code="invalid_type"
-        )
+    data = schema.validate(schema.DetokenizeRequest, body)
+    model = await _model(data.model)
     try:
-        text = await bus.async_client().detokenize(model, tokens)
+        text = await bus.async_client().detokenize(model, data.tokens)
     except ModelNotFoundError:
         raise await _not_served(model) from None
     return JsonResponse({"prompt": text})
+
+
+@api_view(("GET",))
+async def tokenizer_info(request: HttpRequest, principal: Principal) -> HttpResponse:
+    model = await _model(request.GET.get("model") or None)
+    try:
+        info = await bus.async_client().tokenizer_info(model)
+    except ModelNotFoundError:
+        raise await _not_served(model) from None
+    return JsonResponse(info)

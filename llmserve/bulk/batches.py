@@ -15,6 +15,7 @@ from typing import Any
 
 from django.db import transaction
 
+from llmserve.api import schema
 from llmserve.api.errors import BadRequest
 from llmserve.bulk import services
 from llmserve.bulk.models import Batch, BatchFile, BulkItem, BulkJob
@@ -44,20 +45,24 @@ def parse_input(content: bytes, endpoint: str) -> tuple[str, list[str], list[dic
             line = json.loads(raw)
         except ValueError:
             raise BadRequest(f"Line {number} of the input file is not valid JSON.", param=param) from None
-        if not isinstance(line, dict) or not isinstance(line.get("custom_id"), str) or not line["custom_id"]:
-            raise BadRequest(f"Line {number}: `custom_id` must be a non-empty string.", param=param)
-        if line["custom_id"] in seen:
-            raise BadRequest(f"Line {number}: duplicate custom_id {line['custom_id']!r}.", param=param)
-        if line.get("method", "POST") != "POST" or line.get("url") != endpoint:
+        if not isinstance(line, dict):
+            raise BadRequest(f"Line {number} of the input file is not a JSON object.", param=param)
+        try:
+            line = schema.validate(schema.BatchRequestLine, line)
+        except BadRequest as exc:
+            raise BadRequest(f"Line {number}: {exc.message}", param=param) from None
+        if line.custom_id in seen:
+            raise BadRequest(f"Line {number}: duplicate custom_id {line.custom_id!r}.", param=param)
+        if line.url != endpoint:
             raise BadRequest(f"Line {number}: every request must be `POST {endpoint}`.", param=param)
-        body = line.get("body")
-        if not isinstance(body, dict) or not isinstance(body.get("model"), str):
+        body = line.body
+        if not isinstance(body.get("model"), str):
             raise BadRequest(f"Line {number}: `body` must be a request object with a `model`.", param=param)
         if model is not None and body["model"] != model:
             raise BadRequest(f"Line {number}: all requests of a batch must use the same model.", param=param)
         model = body["model"]
-        seen.add(line["custom_id"])
-        custom_ids.append(line["custom_id"])
+        seen.add(line.custom_id)
+        custom_ids.append(line.custom_id)
         bodies.append(body)
     if model is None:
         raise BadRequest("The input file holds no requests.", param=param)

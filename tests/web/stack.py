@@ -76,6 +76,7 @@ class Stack:
             "PYTHONPATH": str(ROOT),
             "OMP_NUM_THREADS": "1",
             "TOKENIZERS_PARALLELISM": "false",
+            "PROMETHEUS_MULTIPROC_DIR": str(self.workdir / "prometheus"),
         }
 
     def manage(self, *args: str) -> str:
@@ -93,6 +94,7 @@ class Stack:
     def start(self) -> Stack:
         self.database = TestDatabase.create(self.workdir)
         self.redis = RedisServer().start()
+        (self.workdir / "prometheus").mkdir()
         # The engine loads its model while the database is prepared.
         self.engine = self._spawn(
             "engine",

@@ -207,6 +207,10 @@ def test_no_missing_migrations() -> None:
             "messages[0].content",
         ),
         ({"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, "temperature"),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"1": 101}},
+            "logit_bias",
+        ),
         ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": True}, "n"),
         ({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_p": 2}, "top_p"),
         ({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
@@ -253,3 +257,64 @@ def test_completion_prompts() -> None:
     for prompt in ("", [], ["a", "b"], [True], 5):
         with pytest.raises(BadRequest):
             schema.parse("completion", {"model": "m", "prompt": prompt})
+
+
+@pytest.mark.django_db
+def test_chat_sign_in_is_not_the_admin_login(client, django_user_model) -> None:
+    response = client.get("/chat/")
+    assert response.status_code == 302 and response["Location"] == "/accounts/login/?next=/chat/"
+    page = client.get(response["Location"]).content.decode()
+    assert "Sign in to llmserve chat" in page and "Django administration" not in page
+    django_user_model.objects.create_user("reader", password="a long passphrase")
+    signed_in = client.post(
+        "/accounts/login/", {"username": "reader", "password": "a long passphrase", "next": "/chat/"}
+    )
+    assert signed_in.status_code == 302 and signed_in["Location"] == "/chat/"
+    assert client.get("/chat/").status_code == 200
+
+
+@pytest.mark.django_db
+def test_admin_is_branded(admin_client) -> None:
+    page = admin_client.get("/admin/").content.decode()
+    assert "llmserve administration" in page and "Django administration" not in page
+
+
+def test_openapi_document_and_docs_page(client) -> None:
+    from django.contrib.staticfiles import finders
+
+    document = client.get("/openapi.json").json()
+    assert document["openapi"].startswith("3.1")
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/tokenizer_info"):
+        assert path in document["paths"], path
+    schemas = document["components"]["schemas"]
+    for name in ("CompletionRequest", "ChatCompletionRequest", "ResponsesRequest", "ChatMessage"):
+        assert schemas[name]["additionalProperties"] is False, name
+    temperature = schemas["ChatCompletionRequest"]["properties"]["temperature"]["anyOf"][0]
+    assert temperature == {"minimum": 0, "type": "number"}
+    page = client.get("/docs").content.decode()
+    bundle = "drf_spectacular_sidecar/swagger-ui-dist/swagger-ui-bundle.js"
+    assert f"/static/{bundle}" in page and "cdn" not in page.lower()
+    assert finders.find(bundle) and finders.find("llmserve/docs.js")
+
+
+def test_completion_bodies() -> None:
+    request = schema.parse(
+        "completion",
+        {"model": "m", "prompt": [[1, 2], [3]], "echo": True, "logprobs": 2, "max_tokens": 0},
+        several_prompts=True,
+    )
+    assert request.prompts == [[1, 2], [3]] and request.prompt_only and request.echo
+    assert (request.params.max_tokens, request.params.prompt_logprobs, request.params.logprobs) == (1, 2, 2)
+    assert schema.parse("completion", {"model": "m", "prompt": "x"}).params.max_tokens is None
+    chat = schema.parse("chat", {"model": "m", "messages": [{"role": "developer", "content": "be brief"}]})
+    assert chat.messages == [{"role": "system", "content": "be brief"}]
+    for body, param in (
+        ({"model": "m", "prompt": "x", "temperature": float("nan")}, "temperature"),
+        ({"model": "m", "prompt": "x", "top_p": float("inf")}, "top_p"),
+        ({"model": "m", "prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"model": "m", "prompt": ["a", "b"]}, "prompt"),  # one prompt unless the caller takes several
+        ({"model": "m", "prompt": "x", "suffix": "y"}, "suffix"),
+    ):
+        with pytest.raises(BadRequest) as info:
+            schema.parse("completion", body)
+        assert info.value.param == param

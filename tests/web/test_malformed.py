@@ -21,6 +21,11 @@ def _chat(**fields) -> bytes:
     return json.dumps({"model": "smol", "messages": USER, "max_tokens": 4, **fields}).encode()
 
 
+def _raw_chat(field: str) -> bytes:
+    """A chat body with one field written as raw JSON text (for literals json.dumps would not write)."""
+    return _chat()[:-1] + b", " + field.encode() + b"}"
+
+
 # (name, path, body, content type, expected status, expected param or None)
 CASES = [
     ("bad json", CHAT, b'{"model": "smol", "messages": [', "application/json", 400, None),
@@ -89,12 +94,49 @@ CASES = [
         None,
     ),
     (
-        "several prompts",
+        "prompts of two kinds",
         COMPLETIONS,
-        json.dumps({"model": "smol", "prompt": ["a", "b"]}).encode(),
+        json.dumps({"model": "smol", "prompt": ["a", [1, 2]]}).encode(),
         "application/json",
         400,
         "prompt",
+    ),
+    # Python's json module reads NaN and Infinity (and 1e999 as infinity); no sampling field takes them.
+    ("temperature NaN", CHAT, _raw_chat('"temperature": NaN'), "application/json", 400, "temperature"),
+    ("top_p Infinity", CHAT, _raw_chat('"top_p": Infinity'), "application/json", 400, "top_p"),
+    (
+        "presence_penalty -Infinity",
+        CHAT,
+        _raw_chat('"presence_penalty": -Infinity'),
+        "application/json",
+        400,
+        "presence_penalty",
+    ),
+    ("min_p overflowing", CHAT, _raw_chat('"min_p": 1e999'), "application/json", 400, "min_p"),
+    ("logit bias NaN", CHAT, _raw_chat('"logit_bias": {"1": NaN}'), "application/json", 400, "logit_bias"),
+    (
+        "responses temperature NaN",
+        "/v1/responses",
+        b'{"model": "smol", "input": "hi", "temperature": NaN}',
+        "application/json",
+        400,
+        "temperature",
+    ),
+    (
+        "max_tokens 0 without echo",
+        COMPLETIONS,
+        json.dumps({"model": "smol", "prompt": "a", "max_tokens": 0}).encode(),
+        "application/json",
+        400,
+        "max_tokens",
+    ),
+    (
+        "suffix without fill-in-the-middle",
+        COMPLETIONS,
+        json.dumps({"model": "smol", "prompt": "a", "suffix": "b", "max_tokens": 2}).encode(),
+        "application/json",
+        400,
+        "suffix",
     ),
     (
         "prompt over the character limit",
