@@ -6,7 +6,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('llmserve', '0003_engine_options'),
+        ('llmserve', '0004_responses'),
     ]
 
     operations = [
