@@ -105,6 +105,18 @@ class BlockManager:
                 self.block_keys[block] = key
                 self.cached[key] = block
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Returns the blocks past the first `num_tokens` slots (taken for rejected draft tokens)."""
+        keep = -(-num_tokens // self.block_size)
+        for block in seq.block_table[keep:]:
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free[block] = None
+                self.free.move_to_end(block, last=False)  # never cached: blank, reused first
+        if keep < len(seq.block_table):
+            del seq.block_table[keep:]
+            seq.block_table_version += 1
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         child.block_table = list(parent.block_table)
         child.block_hashes = list(parent.block_hashes)

@@ -18,12 +18,13 @@ from inference_engine.config import EngineConfig
 from inference_engine.detokenizer import IncrementalDetokenizer
 from inference_engine.errors import EngineOverloadedError, InvalidRequestError
 from inference_engine.model_loader import load_configured_model
-from inference_engine.model_runner import ModelRunner
+from inference_engine.model_runner import ModelRunner, StepOutput
 from inference_engine.outputs import CompletionOutput, Logprob, RequestOutput
 from inference_engine.sampler import Sampler, SampleResult
 from inference_engine.sampling_params import SamplingParams
 from inference_engine.scheduler import Scheduler
 from inference_engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from inference_engine.speculative import NgramConfig, NgramProposer
 from inference_engine.tp_workers import TPWorkers, check_tensor_parallel
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,11 @@ class LLMEngine:
             self.runner.num_cpu_blocks,
         )
         self.scheduler = Scheduler(config, self.block_manager)
+        self.proposer = (
+            NgramProposer(NgramConfig.from_dict(config.speculative_config), self.max_model_len)
+            if config.speculative_config
+            else None
+        )
         self.sampler = Sampler(self.tokenizer.eos_token_ids, config.seed)
         self.groups: dict[str, SequenceGroup] = {}
         self._next_seq_id = 0
@@ -175,6 +181,8 @@ class LLMEngine:
     # --- the loop ---------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.proposer is not None:
+            self.proposer.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
@@ -184,25 +192,31 @@ class LLMEngine:
                 seq.group.metrics.first_scheduled_time = now
                 self.prompt_tokens_total += len(seq.group.prompt_token_ids)
         out = self.runner.execute(sched)
-        touched: dict[str, SequenceGroup] = {}
         for seq, n in zip(sched.seqs, sched.num_new_tokens, strict=True):
             seq.num_computed_tokens += n
-            self.block_manager.register_full_blocks(seq)
         for seq, logprobs in out.prompt_logprobs.items():
             seq.group.prompt_logprobs.extend(logprobs)
 
-        rows, seqs = self._fork_samples(out.sample_seqs)
-        # Rows repeat only where a prompt forks into n samples; otherwise the logits go over uncopied.
-        logits = out.logits if len(rows) == len(out.logits) else out.logits[rows]
-        results = self.sampler(logits, seqs) if seqs else []
+        touched: dict[str, SequenceGroup] = {}
+        finished: list[Sequence] = []
         now = time.time()
-        for seq, result in zip(seqs, results, strict=True):
-            self._append_token(seq, result)
+        for seq, results in self._sample(out):
+            drafts = len(seq.draft_token_ids)
+            for result in results:
+                self._append_token(seq, result)
+                if seq.is_finished:
+                    break
+            if drafts and self.proposer is not None:
+                self.proposer.record(drafts, len(results) - 1)
             group = seq.group
             group.metrics.first_token_time = group.metrics.first_token_time or now
             touched[group.request_id] = group
             if seq.is_finished:
-                self._retire(seq)
+                finished.append(seq)
+        for seq in sched.seqs:
+            self._settle(seq)
+        for seq in finished:
+            self._retire(seq)
 
         outputs = []
         for group in touched.values():
@@ -213,23 +227,52 @@ class LLMEngine:
         self._maybe_log_stats()
         return outputs
 
-    def _fork_samples(self, sample_seqs: list[Sequence]) -> tuple[list[int], list[Sequence]]:
-        """A prompt with n > 1 forks into n sequences sharing its KV blocks before its first sample."""
-        rows, seqs = [], []
-        for row, seq in enumerate(sample_seqs):
-            rows.append(row)
+    def _sample(self, out: StepOutput) -> list[tuple[Sequence, list[SampleResult]]]:
+        """Each sampled sequence's new tokens: one, or its accepted draft tokens plus one."""
+        rows, seqs, drafts = [], [], []
+        row = 0
+        while row < len(out.sample_seqs):
+            seq = out.sample_seqs[row]
+            count = 1 + len(seq.draft_token_ids)
+            rows += range(row, row + count)
             seqs.append(seq)
-            group = seq.group
-            if seq.num_output_tokens == 0 and len(group.seqs) < group.params.n and seq.index == 0:
-                for index in range(1, group.params.n):
-                    child = self._new_sequence(group, seq.token_ids, index)
-                    child.num_computed_tokens = seq.num_computed_tokens
-                    child.num_cached_tokens = seq.num_cached_tokens
-                    self.block_manager.fork(seq, child)
-                    self.scheduler.add_running(child)
-                    rows.append(row)
-                    seqs.append(child)
-        return rows, seqs
+            drafts.append(seq.draft_token_ids)
+            for child in self._fork(seq):  # a prompt with n > 1 forks before its first sample
+                rows.append(row)
+                seqs.append(child)
+                drafts.append([])
+            row += count
+        if not seqs:
+            return []
+        # Rows repeat only where a prompt forks into n samples; otherwise the logits go over uncopied.
+        logits = out.logits if len(rows) == len(out.logits) else out.logits[rows]
+        if any(drafts):
+            return list(zip(seqs, self.sampler.verify(logits, seqs, drafts), strict=True))
+        return [(seq, [result]) for seq, result in zip(seqs, self.sampler(logits, seqs), strict=True)]
+
+    def _fork(self, seq: Sequence) -> list[Sequence]:
+        group = seq.group
+        if seq.num_output_tokens or len(group.seqs) >= group.params.n or seq.index != 0:
+            return []
+        children = []
+        for index in range(1, group.params.n):
+            child = self._new_sequence(group, seq.token_ids, index)
+            child.num_computed_tokens = seq.num_computed_tokens
+            child.num_cached_tokens = seq.num_cached_tokens
+            self.block_manager.fork(seq, child)
+            self.scheduler.add_running(child)
+            children.append(child)
+        return children
+
+    def _settle(self, seq: Sequence) -> None:
+        """After a step: K/V computed for rejected draft tokens is not the sequence's (its slots are
+        rewritten by later steps and the blocks past its tokens go back to the pool); then the blocks
+        whose every slot holds the sequence's own K/V join the prefix cache."""
+        if seq.draft_token_ids:
+            seq.num_computed_tokens = min(seq.num_computed_tokens, len(seq) - 1)
+            self.block_manager.trim(seq, len(seq))
+            seq.draft_token_ids = []
+        self.block_manager.register_full_blocks(seq)
 
     def _append_token(self, seq: Sequence, result: SampleResult) -> None:
         params = seq.params

@@ -72,6 +72,12 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(len(seq) - seq.num_computed_tokens, budget)
+            if seq.draft_token_ids:  # speculative proposals ride along where budget and blocks allow
+                drafts = seq.draft_token_ids[: budget - n]
+                while drafts and not self.block_manager.can_append(seq, n + len(drafts)):
+                    drafts = drafts[:-1]
+                seq.draft_token_ids = drafts
+                n += len(drafts)
             while not self.block_manager.can_append(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim, out)
@@ -135,6 +141,7 @@ class Scheduler:
         """Swaps the sequence's KV out to CPU blocks when swap space allows; otherwise drops the KV,
         keeps the tokens and prefills them again later (recompute)."""
         self.running.remove(seq)
+        seq.draft_token_ids = []
         self.num_preemptions += 1
         seq.group.metrics.num_preemptions += 1
         if self.block_manager.can_swap_out(seq):

@@ -1,0 +1,94 @@
+"""N-gram speculative decoding (prompt lookup), configured as vLLM's
+`speculative_config={"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n, ...}`.
+
+Before each step, a decoding sequence whose last n tokens (n from `prompt_lookup_max` down to
+`prompt_lookup_min`) also occur earlier in its prompt or output proposes the k tokens that followed that
+earlier occurrence. The step runs the proposals through the model together with the sequence's newest
+token, and the sampler keeps the longest prefix the model agrees with plus one token of its own
+(`Sampler.verify`: for greedy requests exactly the tokens greedy decoding gives; for sampled ones by
+rejection sampling, which keeps the output distribution). The engine then rolls back what the rejected
+tokens left behind (`LLMEngine._settle`). Summaries and extractions quote their sources, which is where
+this pays; a large batch already keeps the hardware busy, so above `disable_by_batch_size` running
+sequences nothing is proposed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from inference_engine.errors import InvalidRequestError
+from inference_engine.sequence import Sequence
+
+
+@dataclass
+class NgramConfig:
+    num_speculative_tokens: int
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    disable_by_batch_size: int | None = None  # no proposals while more sequences than this are running
+
+    @classmethod
+    def from_dict(cls, config: dict) -> NgramConfig:
+        config = dict(config)
+        method = config.pop("method", "ngram")
+        if method != "ngram":
+            raise InvalidRequestError(f"speculative method {method!r} is not supported (only 'ngram').")
+        try:
+            result = cls(**config)
+        except TypeError as exc:
+            raise InvalidRequestError(f"invalid speculative_config: {exc}") from None
+        if "prompt_lookup_min" not in config:
+            result.prompt_lookup_min = min(result.prompt_lookup_min, result.prompt_lookup_max)
+        if not 1 <= result.num_speculative_tokens <= 16:
+            raise InvalidRequestError("num_speculative_tokens must be in [1, 16].")
+        if not 1 <= result.prompt_lookup_min <= result.prompt_lookup_max:
+            raise InvalidRequestError("need 1 <= prompt_lookup_min <= prompt_lookup_max.")
+        return result
+
+
+def ngram_proposal(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
+    """The up-to-k tokens that followed the latest earlier occurrence of the longest suffix of `tokens`
+    (n_max down to n_min tokens long) that occurs earlier; [] where none does."""
+    for n in range(min(n_max, len(tokens) - 1), n_min - 1, -1):
+        windows = sliding_window_view(tokens[:-1], n)  # every n-gram but the suffix itself
+        hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
+        if len(hits):
+            start = int(hits[-1]) + n
+            return tokens[start : start + k].tolist()
+    return []
+
+
+class NgramProposer:
+    def __init__(self, config: NgramConfig, max_model_len: int) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.num_draft_tokens = 0  # proposed and verified, for stats
+        self.num_accepted_tokens = 0
+
+    def propose(self, running: list[Sequence]) -> None:
+        """Sets `draft_token_ids` of every running sequence that decodes next (none above the batch limit)."""
+        limit = self.config.disable_by_batch_size
+        enabled = limit is None or len(running) <= limit
+        for seq in running:
+            seq.draft_token_ids = self._for(seq) if enabled else []
+
+    def _for(self, seq: Sequence) -> list[int]:
+        if seq.num_computed_tokens != len(seq) - 1:
+            return []  # still prefilling
+        params = seq.params
+        # Never propose past the request's last token: the verified step emits drafts + 1 tokens.
+        room = self.max_model_len - len(seq)
+        if params.max_tokens is not None:
+            room = min(room, params.max_tokens - seq.num_output_tokens)
+        k = min(self.config.num_speculative_tokens, room - 1)
+        if k < 1:
+            return []
+        tokens = np.asarray(seq.token_ids)
+        return ngram_proposal(tokens, k, self.config.prompt_lookup_min, self.config.prompt_lookup_max)
+
+    def record(self, proposed: int, accepted: int) -> None:
+        self.num_draft_tokens += proposed
+        self.num_accepted_tokens += accepted

@@ -1,0 +1,99 @@
+"""N-gram speculative decoding: greedy outputs identical to decoding without it, the K/V of rejected
+draft tokens rolled back (even when every proposal is wrong), every KV block freed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from inference_engine import LLM, SamplingParams, speculative
+from inference_engine.errors import InvalidRequestError
+from inference_engine.speculative import NgramConfig, ngram_proposal
+
+from .conftest import PROMPTS, assert_all_blocks_free, greedy
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+QUOTING = [
+    "Minutes: the board approved the budget of 2.4 million euros and the hiring of two engineers. "
+    "Question: what did the board approve? Answer: the board approved the budget of",
+    "def area(radius):\n    return 3.14159 * radius * radius\n\ndef circumference(radius):\n    return",
+]
+
+
+@pytest.fixture(scope="module")
+def spec_llm() -> LLM:
+    return LLM(dtype="float32", seed=0, speculative_config=NGRAM)
+
+
+def test_proposals_follow_the_latest_earlier_occurrence_of_the_longest_suffix():
+    tokens = np.array([5, 6, 7, 1, 2, 9, 5, 6, 7, 3, 4, 5, 6, 7])
+    assert ngram_proposal(tokens, 2, 1, 3) == [3, 4]  # "5 6 7" last seen before "3 4"
+    assert ngram_proposal(tokens, 9, 1, 3) == [3, 4, 5, 6, 7]  # as many as there are
+    assert ngram_proposal(np.array([1, 2, 3, 4]), 3, 1, 3) == []
+    assert ngram_proposal(np.array([8, 1, 8]), 3, 2, 3) == []  # only a 1-gram matches, below the minimum
+
+
+def test_greedy_outputs_equal_decoding_without_speculation(llm, spec_llm):
+    prompts = PROMPTS + QUOTING
+    plain = llm.generate(prompts, greedy(), use_tqdm=False)
+    fast = spec_llm.generate(prompts, greedy(), use_tqdm=False)
+    for a, b in zip(plain, fast, strict=True):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids, a.prompt
+        assert b.outputs[0].text == a.outputs[0].text
+    proposer = spec_llm.llm_engine.proposer
+    assert proposer.num_accepted_tokens > 0 and proposer.num_draft_tokens > proposer.num_accepted_tokens
+    assert_all_blocks_free(spec_llm)
+
+
+def test_all_rejected_proposals_leave_no_trace(llm, spec_llm, monkeypatch):
+    """Proposals of a token the model never picks here: every step rejects all of them, so each step's
+    draft K/V must be overwritten later and the blocks taken for it given back."""
+    monkeypatch.setattr(speculative, "ngram_proposal", lambda tokens, k, lo, hi: [0] * k)
+    plain = llm.generate(PROMPTS[:6], greedy(), use_tqdm=False)
+    engine = spec_llm.llm_engine
+    trims = []
+    trim = engine.block_manager.trim
+
+    def observed_trim(seq, num_tokens):
+        before = len(seq.block_table)
+        trim(seq, num_tokens)
+        trims.append(before - len(seq.block_table))
+
+    monkeypatch.setattr(engine.block_manager, "trim", observed_trim)
+    accepted = engine.proposer.num_accepted_tokens
+    fast = spec_llm.generate(PROMPTS[:6], greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in fast] == [o.outputs[0].token_ids for o in plain]
+    assert engine.proposer.num_accepted_tokens == accepted  # nothing accepted
+    assert sum(trims) > 0  # blocks taken for drafts went back
+    assert_all_blocks_free(spec_llm)
+
+
+def test_sampled_requests_are_reproducible_with_a_seed(spec_llm):
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=24)
+    first = spec_llm.generate(QUOTING, params, use_tqdm=False)
+    again = spec_llm.generate(QUOTING, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in again]
+    assert all(len(o.outputs[0].token_ids) <= 24 for o in first)
+    assert_all_blocks_free(spec_llm)
+
+
+def test_no_proposals_above_the_batch_limit(spec_llm, monkeypatch):
+    monkeypatch.setattr(spec_llm.llm_engine.proposer.config, "disable_by_batch_size", 2)
+    drafted = spec_llm.llm_engine.proposer.num_draft_tokens
+    spec_llm.generate(PROMPTS[:4], greedy(8, ignore_eos=True), use_tqdm=False)
+    # four sequences run together until the last steps, where fewer than three are left
+    assert spec_llm.llm_engine.proposer.num_draft_tokens - drafted < 4 * 8
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"method": "eagle", "num_speculative_tokens": 2},
+        {"method": "ngram", "num_speculative_tokens": 0},
+        {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3},
+        {"method": "ngram", "num_speculative_tokens": 2, "typo": 1},
+    ],
+)
+def test_bad_configs_are_refused(config):
+    with pytest.raises(InvalidRequestError):
+        NgramConfig.from_dict(config)
