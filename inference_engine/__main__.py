@@ -58,11 +58,15 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     for flag, kind in ENGINE_FLAGS:
         parser.add_argument(flag, type=kind)
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None)
 
 
 def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The engine flags given on the command line, by EngineConfig field name."""
-    names = [flag[2:].replace("-", "_") for flag, _ in ENGINE_FLAGS] + ["enable_prefix_caching"]
+    names = [flag[2:].replace("-", "_") for flag, _ in ENGINE_FLAGS] + [
+        "enable_prefix_caching",
+        "enforce_eager",
+    ]
     return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 
 

@@ -42,6 +42,7 @@ class EngineConfig:
     swap_space: float = 0.0  # GiB of CPU memory for swapped-out KV blocks; 0 = preempt by recompute
     enable_prefix_caching: bool = True
     seed: int = 0
+    enforce_eager: bool = False  # CUDA: run every step eagerly instead of replaying captured CUDA graphs
     max_pending_requests: int = 4096  # admission bound: beyond it add_request raises EngineOverloadedError
     log_stats_interval: float = 10.0  # seconds between stats log lines; 0 disables
 

@@ -15,9 +15,10 @@ from dataclasses import dataclass, replace
 import torch
 
 from inference_engine import distributed
-from inference_engine.attention import get_backend
+from inference_engine.attention import AttentionMetadata, get_backend
 from inference_engine.attention.torch_backend import native_query_max
 from inference_engine.config import EngineConfig
+from inference_engine.cuda_graphs import GraphRunner
 from inference_engine.model_loader import LoadedModel
 from inference_engine.models import MODEL_CLASSES
 from inference_engine.outputs import Logprob
@@ -164,37 +165,59 @@ class ModelRunner:
         self.model.eval()
         self.model.finalize(quantize_int8=config.quantization == "int8")
         self.num_blocks = self._num_kv_blocks()
+        # CUDA graphs pad a decode batch to a captured size; padding rows write to one reserved block.
+        self.use_graphs = self.device.type == "cuda" and not config.enforce_eager
         mc = self.model_config
         self.kv_cache = torch.zeros(
             2,
             mc.num_hidden_layers,
-            self.num_blocks,
+            self.num_blocks + self.use_graphs,
             self.block_size,
             self.model.model.layers[0].self_attn.num_kv_heads,
             mc.head_dim,
             dtype=self.dtype,
             device=self.device,
         )
-        for i, layer in enumerate(self.model.model.layers):
-            layer.self_attn.k_cache, layer.self_attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        self._bind_cache(self.kv_cache)
         if self.attention_backend == "torch" and self.device.type == "cpu":
             # Which attention path prompt chunks take is timed now, not in the first long prompt's step.
             attn, threads = self.model.model.layers[0].self_attn, torch.get_num_threads()
             native_query_max(attn.num_heads, attn.num_kv_heads, attn.head_dim, self.dtype, threads)
-        max_blocks = -(-loaded.config.max_position_embeddings // self.block_size)
+        max_blocks = min(-(-loaded.config.max_position_embeddings // self.block_size), self.num_blocks)
         self.inputs = StepInputs(
             max(config.max_num_batched_tokens, config.max_num_seqs),
             config.max_num_seqs,
-            min(max_blocks, self.num_blocks),
+            max_blocks,
             self.block_size,
             self.device,
         )
-        # Swap space: host memory that holds preempted sequences' KV blocks (pinned for fast copies on CUDA).
+        self.graphs = self._capture_graphs(max_blocks) if self.use_graphs else None
+        # Swap space: host memory that holds preempted sequences' KV blocks, a block contiguous (pinned on
+        # CUDA, so each block's copy runs without blocking).
         self.num_cpu_blocks = int(config.swap_space * 2**30) // self.kv_bytes_per_block
         self.cpu_kv_cache = torch.zeros(
-            (*self.kv_cache.shape[:2], self.num_cpu_blocks, *self.kv_cache.shape[3:]),
+            (self.num_cpu_blocks, *self.kv_cache.shape[:2], *self.kv_cache.shape[3:]),
             dtype=self.dtype,
             pin_memory=self.device.type == "cuda" and self.num_cpu_blocks > 0,
+        )
+
+    def _bind_cache(self, kv_cache: torch.Tensor) -> None:
+        for i, layer in enumerate(self.model.model.layers):
+            layer.self_attn.k_cache, layer.self_attn.v_cache = kv_cache[0, i], kv_cache[1, i]
+
+    def _capture_graphs(self, max_blocks: int) -> GraphRunner:
+        from kernels.triton import choose_num_splits, sm_count
+
+        kv_heads, sms = self.model.model.layers[0].self_attn.num_kv_heads, sm_count(self.device)
+        context = max_blocks * self.block_size
+        return GraphRunner(
+            self.model,
+            self.config.max_num_seqs,
+            max_blocks,
+            pad_block=self.num_blocks,
+            block_size=self.block_size,
+            num_splits=lambda batch: choose_num_splits(batch, kv_heads, context, sms),
+            device=self.device,
         )
 
     @property
@@ -211,13 +234,8 @@ class ModelRunner:
         budget = self.config.kv_cache_memory_bytes
         if budget is None and self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            # Room for one full-budget step's activations and logits besides the weights already loaded.
-            activations = (
-                self.config.max_num_batched_tokens
-                * (self.model_config.vocab_size + 8 * self.model_config.intermediate_size)
-                * 4
-            )
-            budget = int(total * self.config.gpu_memory_utilization) - (total - free) - activations
+            others = total - free - torch.cuda.memory_reserved(self.device)  # other processes on this GPU
+            budget = int(total * self.config.gpu_memory_utilization) - others - self._profile_peak_memory()
         elif budget is None:
             budget = DEFAULT_CPU_KV_BYTES
         num_blocks = torch.tensor(budget // self.kv_bytes_per_block, device=self.device)
@@ -247,20 +265,62 @@ class ModelRunner:
         return StepOutput(step.sample_seqs, logits, prompt_logprobs)
 
     @torch.inference_mode()
+    def _profile_peak_memory(self) -> int:
+        """Peak bytes of this process on the GPU through the largest step the scheduler can build: a
+        forward over max_num_batched_tokens prompt tokens (over a scratch KV cache) with the logits of every
+        row, as a chunk asking for prompt logprobs has (vLLM sizes its cache the same way)."""
+        config, mc, bs = self.config, self.model_config, self.block_size
+        tokens = config.max_num_batched_tokens
+        seqs = min(config.max_num_seqs, tokens)
+        per_seq = -(-tokens // seqs)
+        blocks = -(-per_seq // bs)
+        kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        with torch.device(self.device):
+            scratch = torch.zeros(
+                2, mc.num_hidden_layers, seqs * blocks, bs, kv_heads, mc.head_dim, dtype=self.dtype
+            )
+            self._bind_cache(scratch)
+            lens = torch.full((seqs,), per_seq, dtype=torch.int32)
+            lens[-1] = tokens - per_seq * (seqs - 1)
+            starts = torch.zeros(seqs + 1, dtype=torch.int32)
+            starts[1:] = lens.cumsum(0)
+            tables = torch.arange(seqs * blocks, dtype=torch.int32).view(seqs, blocks)
+            rows = torch.repeat_interleave(torch.arange(seqs), lens)
+            positions = torch.arange(tokens) - starts[:-1].long().repeat_interleave(lens)
+            slots = tables[rows, positions // bs].long() * bs + positions % bs
+            meta = AttentionMetadata(
+                slots, starts, lens, tables, lens.tolist(), [0] * seqs, int(lens.max()), int(lens.max())
+            )
+            hidden = self.model(torch.zeros(tokens, dtype=torch.long), positions, meta)
+            self.model.compute_logits(hidden).float()
+        del scratch, hidden
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        torch.cuda.empty_cache()
+        return peak
+
+    @torch.inference_mode()
     def run(self, plan: StepPlan) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Every rank: the cache copies, the forward pass and the logits of the sampled and prompt rows
         (rank 0 gets them, on its device, the others None)."""
         # Swap-outs first: their device blocks may be handed to other sequences in this very step.
-        for pairs, src_cache, dst_cache in (
-            (plan.swap_out, self.kv_cache, self.cpu_kv_cache),
-            (plan.swap_in, self.cpu_kv_cache, self.kv_cache),
-            (plan.block_copies, self.kv_cache, self.kv_cache),
-        ):
-            if pairs:
-                src, dst = zip(*pairs, strict=True)
-                dst_cache[:, :, list(dst)] = src_cache[:, :, list(src)].to(dst_cache.device)
+        for device_block, cpu_block in plan.swap_out:
+            self.cpu_kv_cache[cpu_block].copy_(self.kv_cache[:, :, device_block], non_blocking=True)
+        for cpu_block, device_block in plan.swap_in:
+            self.kv_cache[:, :, device_block].copy_(self.cpu_kv_cache[cpu_block], non_blocking=True)
+        if plan.swap_out and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # the host copies are read by later swap-ins
+        if plan.block_copies:
+            src, dst = zip(*plan.block_copies, strict=True)
+            self.kv_cache[:, :, list(dst)] = self.kv_cache[:, :, list(src)]
         step = plan.step
-        hidden = self.model(step.input_ids, step.positions, step.meta)
+        size = self.graphs.size_for(step) if self.graphs is not None else None
+        if size is not None:
+            hidden = self.graphs.run(step, size)
+        else:
+            hidden = self.model(step.input_ids, step.positions, step.meta)
         # fp32 for the sampler (also where all rows are greedy: argmax over bf16 is 5x slower here), on the
         # model's device: the sampler brings back only token ids.
         logits = self.model.compute_logits(hidden[step.sample_rows])

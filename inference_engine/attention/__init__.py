@@ -22,6 +22,9 @@ class AttentionMetadata:
     context_lens: list[int]  # tokens already cached before this step
     max_query_len: int
     max_seq_len: int
+    # Split count of the CUDA decode kernel: fixed per captured batch size under CUDA graphs (the kernel
+    # sizes each sequence's splits itself); None lets the kernel choose from the block-table width.
+    num_splits: int | None = None
 
     _per_token: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 

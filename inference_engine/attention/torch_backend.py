@@ -61,7 +61,7 @@ def forward(
         by_token = []
     out = torch.empty_like(q)
     if by_token:
-        rows = torch.cat([torch.arange(starts[b], starts[b + 1]) for b in by_token])
+        rows = torch.cat([torch.arange(starts[b], starts[b + 1], device=q.device) for b in by_token])
         tables, lens = meta.per_token()
         native = cpu_attention.paged_decode(q[rows], k_cache, v_cache, tables[rows], lens[rows], scale)
         if native is None:
@@ -83,8 +83,8 @@ def forward(
             keys, values, mask, causal = k[start:end], v[start:end], None, True
         else:
             keys, values = _gather(k_cache, v_cache, meta.block_tables[b], ctx_len + q_len)
-            pos_q = torch.arange(ctx_len, ctx_len + q_len).unsqueeze(1)
-            mask, causal = torch.arange(ctx_len + q_len).unsqueeze(0) <= pos_q, False
+            pos_q = torch.arange(ctx_len, ctx_len + q_len, device=q.device).unsqueeze(1)
+            mask, causal = torch.arange(ctx_len + q_len, device=q.device).unsqueeze(0) <= pos_q, False
         out[start:end] = _sdpa(q[start:end], keys, values, mask, causal, scale)
     return out
 

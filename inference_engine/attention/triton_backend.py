@@ -19,7 +19,9 @@ def forward(
 ) -> torch.Tensor:
     store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
     if meta.decode_only:
-        return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+        return paged_decode_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, meta.num_splits
+        )
     return paged_extend_attention(
         q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale, meta.max_query_len
     )

@@ -7,17 +7,30 @@ from torch import nn
 from kernels.cpu import fused as cpu_fused
 
 
+def triton_fused():
+    """The Triton fused layers (imported only where the model is built for CUDA)."""
+    from kernels.triton import fused
+
+    return fused
+
+
 class RMSNorm(nn.Module):
-    """RMSNorm computed in fp32, with the residual add fused in (returns the new residual too)."""
+    """RMSNorm computed in fp32, with the residual add fused in (returns the new residual too): one Triton
+    kernel on CUDA, the native kernel on a CPU in bf16, PyTorch otherwise."""
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.triton = triton_fused() if torch.get_default_device().type == "cuda" else None
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.triton is not None:
+            if residual is None:
+                return self.triton.rms_norm(x, self.weight, self.eps)
+            return self.triton.add_rms_norm(x, residual, self.weight, self.eps)
         if residual is not None:
             fused = cpu_fused.add_rms_norm(x, residual, self.weight, self.eps)
             if fused is not None:

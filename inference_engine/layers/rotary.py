@@ -7,6 +7,7 @@ import math
 import torch
 from torch import nn
 
+from inference_engine.layers.norm import triton_fused
 from kernels.cpu import fused as cpu_fused
 
 
@@ -41,10 +42,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", torch.cat((freqs.cos(), freqs.cos()), -1), persistent=False)
         self.register_buffer("sin", torch.cat((-freqs.sin(), freqs.sin()), -1), persistent=False)
         self._positions: torch.Tensor | None = None
+        self.triton = triton_fused() if torch.get_default_device().type == "cuda" else None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x: [tokens, heads, head_dim], queries and keys together. Computed in fp32, as transformers does;
-        in place where the native bf16 kernel runs (x is then returned), else into a new tensor."""
+        in place where a fused kernel runs (x is then returned), else into a new tensor."""
+        if self.triton is not None:
+            return self.triton.rotary_embedding_(x, positions, self.cos, self.sin)
         if cpu_fused.rotary_(x, positions, self.cos, self.sin):
             return x
         if positions is not self._positions:

@@ -22,7 +22,7 @@ from inference_engine.layers.linear import (
     RowParallelLinear,
     Weight,
 )
-from inference_engine.layers.norm import RMSNorm
+from inference_engine.layers.norm import RMSNorm, triton_fused
 from inference_engine.layers.rotary import RotaryEmbedding
 from inference_engine.model_loader import ModelConfig
 
@@ -62,9 +62,13 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size)
+        self.triton = triton_fused() if torch.get_default_device().type == "cuda" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.triton is not None:
+            return self.down_proj(self.triton.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))
 
 
