@@ -143,8 +143,9 @@ def measure_read_bandwidth(device: torch.device, size: int = 1 << 30) -> float:
     return size / best
 
 
-def dense_hf_model(dtype: torch.dtype):
-    """transformers' Llama with the same dequantized weights, dense, in `dtype`.
+def dense_hf_model(dtype: torch.dtype, folder: str | None = None):
+    """transformers' Llama with the same dequantized weights, dense, in `dtype` (a Hugging Face folder
+    loads as it is).
 
     transformers' own GGUF loading keeps the weights packed and dequantizes inside every matmul, which
     would make the baseline slower than a plain dense model; we compare against the dense one.
@@ -152,6 +153,9 @@ def dense_hf_model(dtype: torch.dtype):
     import transformers
 
     from inference_engine.model_loader import load_model
+
+    if folder is not None:
+        return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
 
     path = default_model_path()
     config = transformers.AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
@@ -204,15 +208,25 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3, help="runs of each system, taking turns")
+    parser.add_argument("--model", help="a Hugging Face folder (default: the bundled model)")
+    parser.add_argument(
+        "--quantization", default="none", help="our engine's (default: dense, like the baseline)"
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     requests = mixed_workload(args.requests)
 
-    llm = LLM(dtype=args.dtype, device=args.device, log_stats_interval=0)
-    device = llm.engine.runner.device
+    llm = LLM(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        quantization=args.quantization,
+        log_stats_interval=0,
+    )
+    device = llm.llm_engine.runner.device
     llm.generate(["warm up"], SamplingParams(max_tokens=4), use_tqdm=False)
-    model = dense_hf_model(getattr(torch, args.dtype)).to(device)
+    model = dense_hf_model(getattr(torch, args.dtype), args.model).to(device)
     model.generate(torch.tensor([[1, 2, 3]], device=device), max_new_tokens=2)  # warm up
 
     # The two systems take turns, so a noisy neighbour on a shared machine slows both alike; the
@@ -226,7 +240,9 @@ def main() -> None:
 
     result = {
         "workload": f"{len(requests)} requests, {sum(r.is_short for r in requests)} short",
+        "model": args.model or "bundled",
         "dtype": args.dtype,
+        "quantization": args.quantization,
         "device": str(device),
         "threads": args.threads,
         "repeats": args.repeats,

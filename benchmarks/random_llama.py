@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from inference_engine.model_loader import default_model_path
 from inference_engine.model_loader.gguf_loader import load as load_gguf
@@ -22,12 +24,18 @@ def write_random_llama(
     layers: int = 30,
     intermediate: int = 1536,
     seed: int = 0,
+    tokenizer: HFTokenizer | None = None,
 ) -> Path:
     """Writes config.json, model.safetensors, tokenizer.json; returns the folder. Weights are drawn large
-    enough that logits are peaked (a flat random model makes greedy decoding a string of near-ties)."""
+    enough that logits are peaked (a flat random model makes greedy decoding a string of near-ties). The
+    tokenizer is the bundled model's unless one is given (`byte_level_tokenizer()` needs no file)."""
     folder.mkdir(parents=True, exist_ok=True)
-    tokenizer = load_gguf(default_model_path()).tokenizer
-    vocab = tokenizer.vocab_size
+    if tokenizer is None:
+        bundled = load_gguf(default_model_path()).tokenizer
+        tokenizer, eos = bundled.backend, bundled.eos_token_ids[0]
+    else:
+        eos = tokenizer.token_to_id("<|endoftext|>")
+    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
     head_dim = hidden // heads
     config = {
         "architectures": ["LlamaForCausalLM"],
@@ -43,11 +51,11 @@ def write_random_llama(
         "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0,
         "tie_word_embeddings": True,
-        "eos_token_id": tokenizer.eos_token_ids[0],
+        "eos_token_id": eos,
         "torch_dtype": "float32",
     }
     (folder / "config.json").write_text(json.dumps(config, indent=1))
-    tokenizer.backend.save(str(folder / "tokenizer.json"))
+    tokenizer.save(str(folder / "tokenizer.json"))
     gen = torch.Generator().manual_seed(seed)
 
     def rand(*shape: int, scale: float) -> torch.Tensor:
@@ -73,3 +81,24 @@ def write_random_llama(
         }
     save_file(weights, str(folder / "model.safetensors"))
     return folder
+
+
+def byte_level_tokenizer(vocab_size: int = 1024) -> HFTokenizer:
+    """A small byte-level BPE tokenizer trained on a few sentences: enough to encode any text, for machines
+    that do not carry the bundled model's file (a GPU check machine)."""
+    tokenizer = HFTokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    text = [
+        "The quick brown fox jumps over the lazy dog.",
+        "Paged attention stores keys and values in fixed-size blocks.",
+        "def main():\n    return 0",
+        "请用中文介绍一下大语言模型。",
+    ]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(text, trainer)
+    return tokenizer
