@@ -33,6 +33,8 @@ def write_random_llama(
     if tokenizer is None:
         bundled = load_gguf(default_model_path()).tokenizer
         tokenizer, eos = bundled.backend, bundled.eos_token_ids[0]
+        template = {"chat_template": bundled.chat_template, "eos_token": bundled.id_to_token(eos)}
+        (folder / "tokenizer_config.json").write_text(json.dumps(template))
     else:
         eos = tokenizer.token_to_id("<|endoftext|>")
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)

@@ -13,6 +13,10 @@ daphne processes share it and the port keeps accepting connections while a worke
 are counted in Redis, so they hold across workers.
 
     python -m hostproject.run [--host 127.0.0.1] [--port 8000] [--web-workers 1]     (PORT= works too)
+        [--model PATH_OR_HUB_ID] [--served-model-name NAME] [`python -m inference_engine serve` flags]
+
+``--model`` serves a GGUF file, a Hugging Face folder or a hub id instead of the bundled model, registered as
+a model configuration so the admin, ``/v1/models`` and the chat page show it.
 
 Environment: ``LLMSERVE_REDIS_URL`` uses that Redis instead of a private one; ``DATABASE_URL`` that database
 instead of SQLite; ``LLMSERVE_ADMIN_USER`` / ``LLMSERVE_ADMIN_PASSWORD`` name the admin login created on the
@@ -166,9 +170,10 @@ def _wait_redis(port: int, service: Service, timeout: float = 30.0) -> None:
     raise ServiceFailed(f"Redis did not answer on port {port} within {timeout:.0f}s")
 
 
-def _prepare_database() -> None:
-    """Migrations, and on the first run an admin login and the bundled model's configuration (so the admin's
-    load / unload actions have something to act on)."""
+def _prepare_database(served: str, model: str | None) -> None:
+    """Migrations, on the first run an admin login, and the served model's configuration (so the admin's
+    load / unload actions have something to act on): the bundled model's on the first run, or the
+    ``--model`` given."""
     from django.contrib.auth import get_user_model
     from django.core.management import call_command
 
@@ -187,18 +192,40 @@ def _prepare_database() -> None:
             f"{'' if shown else ' — shown only this once'}",
             flush=True,
         )
-    if not ModelConfig.objects.exists():
+    if model is not None:
+        path = Path(model).expanduser()
+        source = (
+            ModelConfig.Source.GGUF
+            if path.is_file()
+            else ModelConfig.Source.HF_FOLDER
+            if path.is_dir()
+            else ModelConfig.Source.HUB
+        )
+        location = str(path.resolve()) if path.exists() else model
+        ModelConfig.objects.update_or_create(name=served, defaults={"source": source, "path": location})
+    elif not ModelConfig.objects.exists():
         ModelConfig.objects.create(name=MODEL_NAME, source=ModelConfig.Source.BUNDLED)
 
 
-def _wait_ready(base_url: str, services: list[Service], log_dir: Path) -> None:
+def served_name(model: str | None, name: str | None) -> str:
+    """The name clients use: --served-model-name, else the bundled model's, a file's stem, a folder's
+    name or the hub id."""
+    if name:
+        return name
+    if model is None:
+        return MODEL_NAME
+    path = Path(model).expanduser()
+    return path.stem if path.is_file() else path.name if path.is_dir() else model
+
+
+def _wait_ready(base_url: str, served: str, services: list[Service], log_dir: Path) -> None:
     deadline = time.monotonic() + READY_TIMEOUT
     while time.monotonic() < deadline:
         for service in services:
             service.check()
         try:
             with urllib.request.urlopen(base_url + "/health", timeout=2) as reply:
-                if MODEL_NAME in json.load(reply).get("models", {}):
+                if served in json.load(reply).get("models", {}):
                     return
         except (OSError, ValueError):
             pass
@@ -214,7 +241,9 @@ def _raise_file_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
-def run(host: str, port: int, web_workers: int) -> None:
+def run(
+    host: str, port: int, web_workers: int, model: str | None = None, served: str = MODEL_NAME, flags=()
+) -> None:
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "hostproject.settings")
     log_dir = Path(os.environ.get("LLMSERVE_LOG_DIR") or ROOT / "var" / "log" / str(port))
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -247,15 +276,17 @@ def run(host: str, port: int, web_workers: int) -> None:
         from llmserve import conf
 
         engine_cmd = [python, "-m", "inference_engine", "supervise", "--name", conf.get("SUPERVISOR")]
-        engine_cmd += ["--served-model-name", MODEL_NAME, "--redis-url", conf.get("REDIS_URL")]
+        engine_cmd += ["--served-model-name", served, "--redis-url", conf.get("REDIS_URL")]
+        if model is not None:
+            engine_cmd += ["--model", model]
         engine_cmd += ["--prefix", conf.get("BUS_PREFIX")]
         if env.get("LLMSERVE_ENGINE_THREADS"):
             engine_cmd += ["--threads", env["LLMSERVE_ENGINE_THREADS"]]
         if env.get("LLMSERVE_ENGINE_SPARE", "1") != "0":
             engine_cmd.append("--spares")
-        engine_cmd += shlex.split(env.get("LLMSERVE_ENGINE_FLAGS", ""))
+        engine_cmd += shlex.split(env.get("LLMSERVE_ENGINE_FLAGS", "")) + list(flags)
         services.append(Service("engine", engine_cmd, env, log_dir))  # loads the model while the rest starts
-        _prepare_database()
+        _prepare_database(served, model)
         celery_cmd = [python, "-m", "celery", "-A", "hostproject", "worker", "--loglevel", "INFO"]
         services.append(Service("celery", [*celery_cmd, "--concurrency", "2"], env, log_dir))
         fd = listener.fileno()
@@ -263,8 +294,8 @@ def run(host: str, port: int, web_workers: int) -> None:
         for worker in range(1, web_workers + 1):
             services.append(Service(f"web-{worker}", web_cmd, env, log_dir, pass_fds=(fd,)))
         base_url = f"http://{host}:{port}"
-        print(f"Starting the engine with {MODEL_NAME} (logs in {log_dir}) …", flush=True)
-        _wait_ready(base_url, services, log_dir)
+        print(f"Starting the engine with {served} (logs in {log_dir}) …", flush=True)
+        _wait_ready(base_url, served, services, log_dir)
         print(
             f"\nllmserve is up:\n  Chat   {base_url}/chat/\n  Admin  {base_url}/admin/\n"
             f"  API    {base_url}/v1/  (OpenAI-compatible; create an API key in the admin)\n"
@@ -284,6 +315,18 @@ def run(host: str, port: int, web_workers: int) -> None:
         listener.close()
 
 
+def _check_engine_flags(flags: list[str], parser: argparse.ArgumentParser) -> None:
+    """Anything else on the command line must be an engine flag: checked now, not when the engine starts."""
+    from inference_engine.__main__ import build_parser
+
+    engine = build_parser()
+    try:
+        with contextlib.redirect_stderr(sys.stdout):
+            engine.parse_args(["serve", *flags])
+    except SystemExit:
+        parser.error(f"not an option of scripts/run nor an engine flag: {' '.join(flags)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="scripts/run", description=__doc__.split("\n\n")[0])
     parser.add_argument("--host", default="127.0.0.1")
@@ -291,12 +334,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--web-workers", type=int, default=int(os.environ.get("LLMSERVE_WEB_WORKERS") or 1), metavar="N"
     )
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--model", help="GGUF file, Hugging Face folder or hub id (default: the bundled model)"
+    )
+    parser.add_argument("--served-model-name", help="the name clients use")
+    args, flags = parser.parse_known_args(argv)
+    _check_engine_flags(flags, parser)
     # SIGINT too: a shell that starts us in the background has set it to "ignore", and we inherit that.
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        run(args.host, args.port, max(1, args.web_workers))
+        served = served_name(args.model, args.served_model_name)
+        run(args.host, args.port, max(1, args.web_workers), args.model, served, flags)
     except KeyboardInterrupt:
         print("\nStopped.", flush=True)
         return 0

@@ -7,7 +7,9 @@ installed; a real fresh install (pip, model download) is what CI's first `script
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -18,11 +20,13 @@ import threading
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import Iterator
 from http.cookiejar import CookieJar
 from pathlib import Path
 
 import pytest
 
+from benchmarks.random_llama import write_random_llama
 from inference_engine.bus.redis_server import free_port
 
 from .wsclient import ChatSocket
@@ -33,7 +37,10 @@ pytestmark = pytest.mark.timeout(420)
 
 
 def _setup_is_current() -> bool:
-    want = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + (ROOT / "scripts/setup").read_bytes())
+    torch_spec = os.environ.get("TORCH_SPEC", "torch==2.13.0") + "\n"  # scripts/setup hashes it too
+    want = hashlib.sha256(
+        (ROOT / "pyproject.toml").read_bytes() + (ROOT / "scripts/setup").read_bytes() + torch_spec.encode()
+    )
     stamp = ROOT / ".venv" / ".llmserve-installed"
     return stamp.exists() and stamp.read_text().strip() == want.hexdigest()
 
@@ -55,6 +62,11 @@ def _clean_checkout(target: Path) -> Path:
             shutil.copy2(ROOT / name, target / name)
     (target / ".venv").symlink_to(ROOT / ".venv")
     return target
+
+
+def _clean_env() -> dict[str, str]:
+    """This process's environment without the tests' own settings (a fresh shell's, as far as we care)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(("LLMSERVE_", "DJANGO_", "CELERY_"))}
 
 
 def _processes_of(checkout: Path) -> list[str]:
@@ -87,7 +99,7 @@ def _login(base_url: str) -> tuple[str, str]:
     return page, f"sessionid={session}"
 
 
-async def _chat(base_url: str, cookie: str) -> dict:
+async def _chat(base_url: str, cookie: str, expect_model: str | None = None) -> dict:
     ws = await ChatSocket.open(
         base_url.replace("http", "ws") + "/ws/chat/",
         origin=base_url,
@@ -96,6 +108,8 @@ async def _chat(base_url: str, cookie: str) -> dict:
     )
     ready = await ws.receive()
     assert ready["type"] == "ready" and ready["models"], ready
+    if expect_model is not None:
+        assert [m["id"] for m in ready["models"]] == [expect_model], ready
     ws.send(
         {
             "type": "chat",
@@ -113,11 +127,12 @@ async def _chat(base_url: str, cookie: str) -> dict:
     return message
 
 
-@pytest.mark.skipif(not _setup_is_current(), reason="run scripts/setup: .venv is stale")
-def test_run_command_from_a_clean_checkout(tmp_path: Path) -> None:
-    checkout = _clean_checkout(tmp_path / "llmserve")
+@contextlib.contextmanager
+def _running_stack(checkout: Path, *args: str) -> Iterator[tuple[str, list[str]]]:
+    """`scripts/run --port P *args` from the checkout until it prints its URLs; yields the base URL and
+    its output so far. Afterwards: Ctrl-C, and no process, no listening port left behind."""
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("LLMSERVE_", "DJANGO_", "CELERY_"))}
+    env = _clean_env()
     env.update(
         LLMSERVE_ADMIN_USER=ADMIN[0],
         LLMSERVE_ADMIN_PASSWORD=ADMIN[1],
@@ -125,7 +140,7 @@ def test_run_command_from_a_clean_checkout(tmp_path: Path) -> None:
         OMP_NUM_THREADS="1",
     )
     run = subprocess.Popen(
-        [str(checkout / "scripts" / "run"), "--port", str(port)],
+        [str(checkout / "scripts" / "run"), "--port", str(port), *args],
         cwd=checkout,
         env=env,
         stdout=subprocess.PIPE,
@@ -143,16 +158,7 @@ def test_run_command_from_a_clean_checkout(tmp_path: Path) -> None:
             assert run.poll() is None, "".join(output)
             assert time.monotonic() < deadline, "".join(output)
             time.sleep(0.5)
-        text = "".join(output)
-        for url in (f"Chat   {base_url}/chat/", f"Admin  {base_url}/admin/", f"API    {base_url}/v1/"):
-            assert url in text, text
-        assert f"Created the admin login: user {ADMIN[0]!r}" in text and ADMIN[1] not in text
-        page, cookie = _login(base_url)
-        assert "llmserve/chat.js" in page
-        end = asyncio.run(_chat(base_url, cookie))
-        assert end["type"] == "end" and end["usage"]["completion_tokens"] > 0, end
-        # launcher, redis, supervisor, engine, celery (+ its pool), daphne
-        assert len(_processes_of(checkout)) >= 6
+        yield base_url, output
     finally:
         if run.poll() is None:
             os.killpg(run.pid, signal.SIGINT)  # Ctrl-C
@@ -164,3 +170,44 @@ def test_run_command_from_a_clean_checkout(tmp_path: Path) -> None:
     with socket.socket() as sock:  # nothing listens on the web port any more
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # our own closed connections linger
         sock.bind(("127.0.0.1", port))
+
+
+@pytest.mark.skipif(not _setup_is_current(), reason="run scripts/setup: .venv is stale")
+def test_run_command_from_a_clean_checkout(tmp_path: Path) -> None:
+    checkout = _clean_checkout(tmp_path / "llmserve")
+    with _running_stack(checkout) as (base_url, output):
+        text = "".join(output)
+        for url in (f"Chat   {base_url}/chat/", f"Admin  {base_url}/admin/", f"API    {base_url}/v1/"):
+            assert url in text, text
+        assert f"Created the admin login: user {ADMIN[0]!r}" in text and ADMIN[1] not in text
+        page, cookie = _login(base_url)
+        assert "llmserve/chat.js" in page
+        end = asyncio.run(_chat(base_url, cookie))
+        assert end["type"] == "end" and end["usage"]["completion_tokens"] > 0, end
+        # launcher, redis, supervisor, engine, celery (+ its pool), daphne
+        assert len(_processes_of(checkout)) >= 6
+
+
+@pytest.mark.skipif(not _setup_is_current(), reason="run scripts/setup: .venv is stale")
+def test_run_command_serves_any_model(tmp_path: Path) -> None:
+    """--model with a Hugging Face folder and engine flags: registered as a model configuration, listed by
+    /v1/models and the chat page, and it answers."""
+    checkout = _clean_checkout(tmp_path / "llmserve")
+    folder = write_random_llama(tmp_path / "tiny-llama", layers=2, seed=1)
+    args = ("--model", str(folder), "--served-model-name", "tiny", "--max-num-seqs", "8")
+    with _running_stack(checkout, *args) as (base_url, output):
+        assert "Starting the engine with tiny" in "".join(output)
+        key = subprocess.run(
+            [str(checkout / ".venv" / "bin" / "python"), "manage.py", "llmserve_createkey", "run-test"],
+            cwd=checkout,
+            env=_clean_env(),
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        request = urllib.request.Request(f"{base_url}/v1/models", headers={"Authorization": f"Bearer {key}"})
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            assert [m["id"] for m in json.load(reply)["data"]] == ["tiny"]
+        _, cookie = _login(base_url)
+        end = asyncio.run(_chat(base_url, cookie, expect_model="tiny"))
+        assert end["type"] == "end" and end["usage"]["completion_tokens"] > 0, end
