@@ -178,5 +178,5 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def weight_bytes(self) -> int:
-        packed = sum(m.weight_bytes for m in self.modules() if hasattr(m, "weight_bytes") and m is not self)
+        packed = sum(m.weight_bytes for m in self.modules() if m is not self and hasattr(m, "weight_bytes"))
         return packed + sum(p.numel() * p.element_size() for p in self.parameters())
