@@ -129,6 +129,13 @@ def test_pack_and_linear_give_the_matmul_for_every_row_count(gen):
     assert_matches(out.flatten(0, 1), x.flatten(0, 1), weight)
 
 
+@needs_native
+def test_no_rows_give_no_rows(gen):
+    for weight in (rand(gen, 40, 64), int4_weight(40, 64, 32, gen), int8_weight(40, 64, 16, gen)):
+        packed = cpu_linear.pack(weight, BF16)
+        assert cpu_linear.linear(rand(gen, 0, 64), packed).shape == (0, 40)
+
+
 def test_fp32_weights_run_as_plain_matmul(gen):
     weight = rand(gen, 48, 40, dtype=FP32)
     packed = cpu_linear.pack(weight, FP32)

@@ -115,6 +115,7 @@ int linear_bf16_native(void) {
 
 void linear_bf16(const struct bf16_weight *w, const uint16_t *x, long ldx, int m, const uint16_t *bias,
                  uint16_t *out, int num_threads) {
+    if (m == 0) return;
     int tiles = (w->n + TILE - 1) / TILE, pairs = w->k / 2, mr = chunk_rows(m);
     long tile_elems = (long)pairs * 2 * TILE;
 #pragma omp parallel num_threads(tiles < num_threads ? tiles : num_threads)

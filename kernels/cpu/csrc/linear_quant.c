@@ -319,6 +319,7 @@ int linear_quant_native(void) {
  * null. Returns 0, or -1 where scratch memory ran out. */
 int linear_quant(const struct qweight *w, const void *x, long ldx, int m, int is_bf16, const void *bias, void *out,
                  int num_threads) {
+    if (m == 0) return 0;
     int groups = w->k / w->group, tiles = (w->n + QTILE - 1) / QTILE, chunks = (m + MAX_QMR - 1) / MAX_QMR;
     int mr = (m + chunks - 1) / chunks; /* rows per chunk, as even as MAX_QMR allows */
     long q_bytes = 2L * m * w->k, f_count = (long)m * (w->k / XBLOCK + 2 * groups);
