@@ -315,6 +315,14 @@ int linear_quant_native(void) {
 #endif
 }
 
+/* Row r of x into the scratch of qx; row_bytes: x's row stride in bytes. */
+static void quantize(const struct qweight *w, const void *x, long row_bytes, int is_bf16, const struct qx *qx,
+                     int r) {
+    int groups = w->k / w->group;
+    quantize_row(w, (const char *)x + r * row_bytes, is_bf16, qx->hi + (long)r * w->k, qx->lo + (long)r * w->k,
+                 qx->scale + (long)r * (w->k / XBLOCK), qx->gsum + (long)r * groups, qx->gcorr + (long)r * groups);
+}
+
 /* x [M, k_in] bf16 or fp32 (row stride ldx); out [M, N] in x's dtype, contiguous; bias [N] in x's dtype or
  * null. Returns 0, or -1 where scratch memory ran out. */
 int linear_quant(const struct qweight *w, const void *x, long ldx, int m, int is_bf16, const void *bias, void *out,
@@ -334,13 +342,18 @@ int linear_quant(const struct qweight *w, const void *x, long ldx, int m, int is
     int size = is_bf16 ? 2 : 4;
     long tile_bytes = groups * group_bytes(w);
     if (num_threads > tiles) num_threads = tiles;
+    /* A few rows are quantized before the threads start (well under a microsecond a row), sparing the
+     * barrier, which a thread of a busy machine can hold up for a whole time slice. */
+    int serial = m <= MAX_QMR;
+    if (serial)
+        for (int r = 0; r < m; r++) quantize(w, x, ldx * size, is_bf16, &qx, r);
 #pragma omp parallel num_threads(num_threads)
     {
         int t = omp_get_thread_num(), threads = omp_get_num_threads();
-        for (int r = m * t / threads; r < m * (t + 1) / threads; r++)
-            quantize_row(w, (const char *)x + r * ldx * size, is_bf16, qx.hi + (long)r * w->k, qx.lo + (long)r * w->k,
-                         qx.scale + (long)r * (w->k / XBLOCK), qx.gsum + (long)r * groups, qx.gcorr + (long)r * groups);
+        if (!serial) {
+            for (int r = m * t / threads; r < m * (t + 1) / threads; r++) quantize(w, x, ldx * size, is_bf16, &qx, r);
 #pragma omp barrier
+        }
         for (int tile = tiles * t / threads; tile < tiles * (t + 1) / threads; tile++) {
             const uint8_t *tp = w->packed + tile * tile_bytes;
             const void *b = bias ? (const char *)bias + (long)tile * QTILE * size : 0;
