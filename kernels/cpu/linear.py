@@ -33,7 +33,7 @@ _TILE = 32  # output rows per tile of the bf16 kernel (TILE in linear_bf16.c)
 _QTILE = 16  # output rows per tile of the quantized kernel (QTILE in linear_quant.c)
 _XBLOCK = 32  # columns of x per int8 scale (XBLOCK in linear_quant.c)
 _LARGE_ROWS = 64  # the row count at which a routine for prompts (many rows) is timed
-_CANDIDATE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128)  # where a crossover is looked for
+_CANDIDATE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # where a crossover is looked for
 _ALL = math.inf
 
 
@@ -218,17 +218,30 @@ def _timed_plan(
     """Times two routines on random rows (interleaved, best of a few) and finds up to how many rows the
     native one is the faster (halving the candidates: its lead shrinks as rows grow). Where the other
     routine needs its own copy of the weight, the native one serves every row count if it is within a
-    tenth of the other at `_LARGE_ROWS` rows, sparing that copy."""
+    tenth of the other at `_LARGE_ROWS` rows, sparing that copy.
+
+    Timed on one thread: both routines split their work over threads alike, and with two threads any
+    other busy process makes each call wait for a descheduled thread (LM head, 2 rows, two threads on a
+    shared 2-core EPYC: 1.8 to 7.7 ms from one round to the next), which decided the plan by chance."""
     gen = torch.Generator().manual_seed(0)
 
     def native_faster(rows: int, margin: float = 1.0) -> bool:
         x = torch.randn(rows, k, generator=gen).to(dtype)
         times = {native: math.inf, other: math.inf}
-        for _ in range(3):  # the best of 6 calls each: one call free of other processes is enough
+        for _ in range(3):  # the best of 3 timed calls each: one call free of other processes is enough
             for routine in times:
-                times[routine] = min(times[routine], best_time(lambda r=routine: r(x, None), 2))
+                times[routine] = min(times[routine], best_time(lambda r=routine: r(x, None), 1))
         return times[native] <= margin * times[other]
 
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _search(native_faster, other_costs_memory)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _search(native_faster: Callable[..., bool], other_costs_memory: bool) -> _Plan:
     if other_costs_memory and native_faster(_LARGE_ROWS, margin=1.1):
         return _Plan(_ALL, keep_other=False)
     low, high = 0, len(_CANDIDATE_ROWS)  # candidates[:low] measured faster, candidates[high:] not

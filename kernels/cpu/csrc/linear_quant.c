@@ -386,25 +386,28 @@ void quant_rows(const struct qweight *w, const int64_t *ids, int count, int is_b
         long row = ids ? ids[r] : r;
         int j = (int)(row % QTILE);
         const uint8_t *tile = w->packed + row / QTILE * groups * gbytes;
+        float v[w->group]; /* one group of the row, in stored column order */
         for (int g = 0; g < groups; g++) {
             const uint8_t *p = tile + g * gbytes;
             float d = load_value(p + weight_bytes, j, w->half);
             float m = w->bits == 4 ? load_value(p + weight_bytes + values, j, w->half) : 0.f;
-            int cols = w->k_in - g * w->group < w->group ? w->k_in - g * w->group : w->group;
-            for (int c = 0; c < cols; c++) {
-                float v;
-                if (w->bits == 4) {
-                    uint8_t byte = p[64 * (c / 8) + 4 * j + c % 4];
-                    v = (float)(c % 8 < 4 ? byte & 15 : byte >> 4) * d + m;
-                } else {
-                    v = (float)(int8_t)(p[64 * (c / 4) + 4 * j + c % 4] ^ 0x80) * d;
+            for (int u = 0; u < w->group / (w->bits == 4 ? 8 : 4); u++) {
+                const uint8_t *b = p + 64 * u + 4 * j;
+                for (int i = 0; i < 4; i++) {
+                    if (w->bits == 4) {
+                        v[8 * u + i] = (float)(b[i] & 15) * d + m;
+                        v[8 * u + 4 + i] = (float)(b[i] >> 4) * d + m;
+                    } else {
+                        v[4 * u + i] = (float)(int8_t)(b[i] ^ 0x80) * d;
+                    }
                 }
-                long at = (long)r * w->k_in + g * w->group + c;
-                if (is_bf16)
-                    ((uint16_t *)out)[at] = float_to_bf16(v);
-                else
-                    ((float *)out)[at] = v;
             }
+            int cols = w->k_in - g * w->group < w->group ? w->k_in - g * w->group : w->group;
+            long at = (long)r * w->k_in + (long)g * w->group;
+            if (is_bf16)
+                for (int c = 0; c < cols; c++) ((uint16_t *)out)[at + c] = float_to_bf16(v[c]);
+            else
+                memcpy((float *)out + at, v, sizeof(float) * cols);
         }
     }
 }
