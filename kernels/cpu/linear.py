@@ -1,36 +1,132 @@
 """Linear layers on the CPU: weights packed once at load, then `linear(x, packed)` every step.
 
-Dense bf16 weights are prepacked into oneDNN's blocked layout, which `F.linear` otherwise redoes on
-every call; quantized weights (`kernels.quantized`) are kept in their packed form and multiplied from
-it. Which routine runs for a given number of rows is decided when the weight is packed, not per call.
+A linear layer at small batch is bound by reading its weight from memory, so each weight is repacked once
+into the layout a native kernel streams best (`csrc/linear_bf16.c` for dense bf16, `csrc/linear_quant.c`
+for `kernels.quantized` weights, kept quantized). Which routine serves which number of rows is measured
+once per weight shape when the weight is packed (native kernel, oneDNN's prepacked bf16 linear, or a
+dequantize-then-oneDNN matmul) and fixed then: `linear` only compares the row count with a number. The
+same packed layout serves embedding lookups of a tied weight, so no second plain copy is kept.
+
+With LLMSERVE_CPU_KERNELS=0 or without a compiler, dense bf16 weights run through oneDNN's prepacked
+linear and quantized weights are dequantized on every call.
 """
 
 from __future__ import annotations
 
+import ctypes
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import cache
 
 import torch
 import torch.nn.functional as F
 
-from kernels.quantized import QuantizedWeight
+from kernels.cpu._build import available, function, i32, i64, ptr
+from kernels.quantized import Int4Weight, QuantizedWeight
 from kernels.timing import best_time
 
+BF16 = torch.bfloat16
 _PACK_BATCH_HINT = 32  # oneDNN picks its layout for this many rows; measured as good for 1..2048 rows
 _PADDED_ROWS = 33
+_TILE = 32  # output rows per tile of the bf16 kernel (TILE in linear_bf16.c)
+_QTILE = 16  # output rows per tile of the quantized kernel (QTILE in linear_quant.c)
+_XBLOCK = 32  # columns of x per int8 scale (XBLOCK in linear_quant.c)
+_LARGE_ROWS = 64  # the row count at which a routine for prompts (many rows) is timed
+_CANDIDATE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # where a crossover is looked for
+_ALL = math.inf
+
+
+@dataclass(eq=False)
+class PackedLinear:
+    """A weight packed for this module's routines: `small` runs up to `small_rows` rows, `large` more;
+    `rows` serves `embedding` lookups (None where the packed form cannot); `resident` is what it keeps."""
+
+    out_features: int
+    in_features: int
+    small: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
+    large: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
+    small_rows: float
+    rows: Callable[[torch.Tensor, torch.dtype], torch.Tensor] | None
+    resident: tuple[torch.Tensor, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of weight memory this packing holds, every copy counted."""
+        return sum(t.numel() * t.element_size() for t in self.resident)
+
+
+def pack(
+    weight: torch.Tensor | QuantizedWeight, dtype: torch.dtype, keep_rows: bool = False, pad: bool = False
+) -> PackedLinear:
+    """Packs a weight [out, in] for activations of `dtype`. `keep_rows`: the weight also serves
+    `embedding` lookups. `pad`: where oneDNN runs 17-32 rows, time whether padding them to 33 is faster
+    (large heads)."""
+    if isinstance(weight, torch.Tensor):
+        return _pack_dense(weight.to(dtype), keep_rows, pad)
+    return _pack_quantized(weight, dtype)
+
+
+def linear(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] -> [..., out] in x's dtype."""
+    if x.dim() != 2:
+        return linear(x.reshape(-1, x.shape[-1]), packed, bias).reshape(*x.shape[:-1], packed.out_features)
+    routine = packed.small if x.shape[0] <= packed.small_rows else packed.large
+    return routine(x, bias)
+
+
+def embedding(ids: torch.Tensor, packed: PackedLinear, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `ids` of the weight, dequantized to `dtype` (embedding lookups of a tied weight)."""
+    if packed.rows is None:
+        raise ValueError("pack(..., keep_rows=True) keeps the rows a oneDNN-packed weight cannot serve.")
+    return packed.rows(ids, dtype)
+
+
+# ------------------------------------------------------------------------------------------ dense weights
 
 
 @cache
 def prepacking_works(dtype: torch.dtype) -> bool:
     """Whether oneDNN's prepacked linear is present and gives F.linear's exact result for `dtype`."""
-    if dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+    if dtype != BF16 or not torch.backends.mkldnn.is_available():
         return False
     try:
         x, w = torch.randn(5, 64, dtype=dtype), torch.randn(48, 64, dtype=dtype)
         packed = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_BATCH_HINT)
-        return torch.equal(_onednn(x, packed, None), F.linear(x, w))
+        return torch.equal(
+            torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), F.linear(x, w)
+        )
     except (AttributeError, RuntimeError):
         return False
+
+
+class _Plain:
+    """F.linear on the weight as it is (fp32 weights, or no oneDNN)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, self.weight, bias)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return F.embedding(ids, self.weight).to(dtype)
+
+
+class _OneDNN:
+    """oneDNN's linear on its prepacked bf16 weight (which F.linear would otherwise reorder every call)."""
+
+    def __init__(self, weight: torch.Tensor, pad: bool) -> None:
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
+        # The storage size oneDNN's layout takes is not visible; its blocks pad the weight slightly.
+        self.resident = torch.empty(weight.shape, dtype=BF16, device="meta")
+        self.padded_rows = range(17, _PADDED_ROWS) if pad and _padding_pays(*weight.shape) else range(0)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        rows = x.shape[0]
+        if rows in self.padded_rows:
+            return _onednn(F.pad(x, (0, 0, 0, _PADDED_ROWS - rows)), self.weight, bias)[:rows]
+        return _onednn(x, self.weight, bias)
 
 
 def _onednn(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -43,80 +139,318 @@ def _padding_pays(out_features: int, in_features: int, runs: int = 5) -> bool:
     on 24 (with AMX it does for the LM head: [26, 576] x [576, 49152] 6.7 ms, [33, 576] 3.9 ms; on an
     AVX512-BF16 CPU without AMX padding is the slower one), so a step of 17-32 rows is best padded."""
     gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16)
+    weight = torch.randn(out_features, in_features, generator=gen).to(BF16)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
-    plain, padded = (
-        torch.randn(n, in_features, generator=gen).to(torch.bfloat16) for n in (24, _PADDED_ROWS)
-    )
+    plain, padded = (torch.randn(n, in_features, generator=gen).to(BF16) for n in (24, _PADDED_ROWS))
     plain_time = best_time(lambda: _onednn(plain, packed, None), runs)
     return best_time(lambda: _onednn(padded, packed, None), runs) < 0.9 * plain_time
 
 
-@dataclass
-class PackedLinear:
-    """A weight in the layout this module's kernels read; `plain` keeps a dense weight for row lookups
-    (a tied embedding) where the packed layout cannot serve them."""
+class _BF16Weight(ctypes.Structure):
+    _fields_ = [
+        ("tiles", ctypes.c_void_p),
+        ("n", ctypes.c_int),
+        ("k", ctypes.c_int),
+        ("portable", ctypes.c_int),
+    ]
 
-    out_features: int
-    in_features: int
-    dense: torch.Tensor | None = None  # plain or oneDNN-packed dense weight
-    onednn: bool = False
-    quantized: QuantizedWeight | None = None
-    plain: torch.Tensor | None = None
-    padded_rows: range = range(0)  # row counts run padded to _PADDED_ROWS (oneDNN, where faster)
+
+class _BF16Tiles:
+    """The native bf16 kernel on the weight repacked into its pair tiles (see csrc/linear_bf16.c)."""
+
+    def __init__(self, weight: torch.Tensor, portable: bool = False) -> None:
+        n, k = weight.shape
+        self.n, self.k, self.k_even = n, k, k + k % 2
+        tiles = -(-n // _TILE)
+        padded = F.pad(weight, (0, self.k_even - k, 0, tiles * _TILE - n))
+        self.tiles = padded.view(tiles, _TILE, self.k_even // 2, 2).transpose(1, 2).contiguous()
+        self.desc = _BF16Weight(self.tiles.data_ptr(), n, self.k_even, int(portable))
+        self.desc_ptr = ctypes.addressof(self.desc)
+        self.fn = function("linear_bf16", None, ptr, ptr, i64, i32, ptr, ptr, i32)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.dtype != BF16 or x.shape[1] != self.k or (bias is not None and bias.dtype != BF16):
+            raise ValueError(f"a bf16-packed [{self.n}, {self.k}] weight takes bf16 [rows, {self.k}] inputs.")
+        if x.stride(1) != 1 or self.k_even != self.k:
+            x = F.pad(x, (0, self.k_even - self.k))  # contiguous, and zero in the odd column
+        if bias is not None:
+            bias = bias.contiguous()
+        out = torch.empty(x.shape[0], self.n, dtype=BF16)
+        self.fn(
+            self.desc_ptr,
+            x.data_ptr(),
+            x.stride(0),
+            x.shape[0],
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        return out
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        _check_ids(ids, self.n)
+        picked = self.tiles[ids // _TILE, :, ids % _TILE]  # [..., k_even / 2, 2]
+        return picked.flatten(-2)[..., : self.k].to(dtype)
+
+
+def _check_ids(ids: torch.Tensor, rows: int) -> None:
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= rows):
+        raise IndexError(f"row ids must lie in [0, {rows}).")
+
+
+def native_bf16() -> bool:
+    """Whether the bf16 kernel runs AVX512-BF16 here (else its plain C loops, or nothing)."""
+    fn = function("linear_bf16_native", i32)
+    return fn is not None and bool(fn())
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Up to how many rows the native routine runs, and whether the other one is kept for more."""
+
+    native_rows: float
+    keep_other: bool
+
+
+def _timed_plan(
+    native: Callable, other: Callable, k: int, dtype: torch.dtype, other_costs_memory: bool
+) -> _Plan:
+    """Times two routines on random rows (interleaved, best of a few) and finds up to how many rows the
+    native one is the faster (halving the candidates: its lead shrinks as rows grow). Where the other
+    routine needs its own copy of the weight, the native one serves every row count if it is within a
+    tenth of the other at `_LARGE_ROWS` rows, sparing that copy.
+
+    Timed on one thread: both routines split their work over threads alike, and with two threads any
+    other busy process makes each call wait for a descheduled thread (LM head, 2 rows, two threads on a
+    shared 2-core EPYC: 1.8 to 7.7 ms from one round to the next), which decided the plan by chance."""
+    gen = torch.Generator().manual_seed(0)
+
+    def native_faster(rows: int, margin: float = 1.0) -> bool:
+        x = torch.randn(rows, k, generator=gen).to(dtype)
+        times = {native: math.inf, other: math.inf}
+        for _ in range(3):  # the best of 3 timed calls each: one call free of other processes is enough
+            for routine in times:
+                times[routine] = min(times[routine], best_time(lambda r=routine: r(x, None), 1))
+        return times[native] <= margin * times[other]
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _search(native_faster, other_costs_memory)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _search(native_faster: Callable[..., bool], other_costs_memory: bool) -> _Plan:
+    if other_costs_memory and native_faster(_LARGE_ROWS, margin=1.1):
+        return _Plan(_ALL, keep_other=False)
+    low, high = 0, len(_CANDIDATE_ROWS)  # candidates[:low] measured faster, candidates[high:] not
+    while low < high:
+        middle = (low + high) // 2
+        if native_faster(_CANDIDATE_ROWS[middle]):
+            low = middle + 1
+        else:
+            high = middle
+    if low == len(_CANDIDATE_ROWS):
+        return _Plan(_ALL, keep_other=False)
+    return _Plan(_CANDIDATE_ROWS[low - 1] if low else 0, keep_other=True)
+
+
+@cache
+def _dense_plan(n: int, k: int) -> _Plan:
+    """Native bf16 kernel or oneDNN, timed once per weight shape on a random weight."""
+    if not available():
+        return _Plan(0, keep_other=True)
+    if not prepacking_works(BF16):
+        return _Plan(_ALL, keep_other=False)
+    weight = torch.randn(n, k, generator=torch.Generator().manual_seed(0)).to(BF16)
+    native, onednn = _BF16Tiles(weight, portable=not native_bf16()), _OneDNN(weight, pad=False)
+    return _timed_plan(native, onednn, k, BF16, other_costs_memory=True)
+
+
+def _pack_dense(weight: torch.Tensor, keep_rows: bool, pad: bool) -> PackedLinear:
+    n, k = weight.shape
+    if weight.dtype != BF16 or not (prepacking_works(BF16) or available()):
+        plain = _Plain(weight)
+        return PackedLinear(n, k, plain, plain, _ALL, plain.rows, (weight,))
+    plan = _dense_plan(n, k)
+    if plan.native_rows == 0:
+        onednn = _OneDNN(weight, pad)
+        rows = _Plain(weight).rows if keep_rows else None
+        return PackedLinear(
+            n, k, onednn, onednn, 0, rows, (onednn.resident, *([weight] if keep_rows else []))
+        )
+    tiles = _BF16Tiles(weight, portable=not native_bf16())
+    if not plan.keep_other:
+        return PackedLinear(n, k, tiles, tiles, _ALL, tiles.rows, (tiles.tiles,))
+    onednn = _OneDNN(weight, pad)
+    return PackedLinear(n, k, tiles, onednn, plan.native_rows, tiles.rows, (tiles.tiles, onednn.resident))
+
+
+# -------------------------------------------------------------------------------------- quantized weights
+
+
+class _Dequantize:
+    """Dequantizes the weight on every call (no native kernel here, or a format it does not take)."""
+
+    def __init__(self, weight: QuantizedWeight) -> None:
+        self.weight = weight
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, self.weight.dequantize().to(x.dtype), bias)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        q = self.weight
+        names = ("q", "scale", "offset") if isinstance(q, Int4Weight) else ("q", "scale")
+        picked = {name: getattr(q, name).index_select(0, ids.flatten()) for name in names}
+        return replace(q, **picked).dequantize().to(dtype).view(*ids.shape, q.shape[1])
 
     @property
-    def nbytes(self) -> int:
-        tensors = [self.dense, self.plain]
-        if self.quantized is not None:
-            tensors += [getattr(self.quantized, name, None) for name in ("q", "scale", "offset", "perm")]
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    def resident(self) -> tuple[torch.Tensor, ...]:
+        q = self.weight
+        return tuple(t for t in (q.q, q.scale, getattr(q, "offset", None), q.perm) if t is not None)
 
 
-def pack(
-    weight: torch.Tensor | QuantizedWeight, dtype: torch.dtype, keep_rows: bool = False, pad: bool = False
-) -> PackedLinear:
-    """Packs a weight for activations of `dtype`. `keep_rows`: the weight also serves `embedding`
-    lookups. `pad`: time whether steps of 17-32 rows run faster padded to 33 (large heads)."""
-    out_features, in_features = weight.shape
-    if not isinstance(weight, torch.Tensor):
-        return PackedLinear(out_features, in_features, quantized=weight)
-    weight = weight.to(dtype)
-    if dtype != torch.bfloat16 or not prepacking_works(dtype):
-        return PackedLinear(out_features, in_features, dense=weight)
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
-    result = PackedLinear(out_features, in_features, dense=packed, onednn=True)
-    if keep_rows:
-        result.plain = weight
-    if pad and _padding_pays(out_features, in_features):
-        result.padded_rows = range(17, _PADDED_ROWS)
-    return result
+def _fits_half(t: torch.Tensor) -> bool:
+    return bool((t.half().float() == t).all())
 
 
-def linear(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [rows, in] -> [rows, out] in x's dtype."""
-    if packed.quantized is not None:
-        w = packed.quantized.dequantize().to(x.dtype)
-        return F.linear(x, w, bias)
-    if not packed.onednn:
-        return F.linear(x, packed.dense, bias)
-    rows = x.shape[0]
-    if rows in packed.padded_rows:
-        return _onednn(F.pad(x, (0, 0, 0, _PADDED_ROWS - rows)), packed.dense, bias)[:rows]
-    return _onednn(x, packed.dense, bias)
+class _QuantWeight(ctypes.Structure):
+    _fields_ = [
+        ("packed", ctypes.c_void_p),
+        ("perm", ctypes.c_void_p),
+        *((name, ctypes.c_int) for name in ("n", "k", "k_in", "group", "sub", "bits", "half", "portable")),
+    ]
 
 
-def embedding(ids: torch.Tensor, packed: PackedLinear, dtype: torch.dtype) -> torch.Tensor:
-    """Rows `ids` of the weight, dequantized to `dtype` (embedding lookups of a tied weight)."""
-    if packed.quantized is not None:
-        q = packed.quantized
-        return replace(q, **_rows(q, ids)).dequantize().to(dtype)
-    weight = packed.plain if packed.plain is not None else packed.dense
-    if packed.onednn and packed.plain is None:
-        raise ValueError("pack(..., keep_rows=True) keeps the rows a oneDNN-packed weight cannot serve.")
-    return F.embedding(ids, weight)
+class _QuantTiles:
+    """The native quantized kernel on the weight repacked into its tiles (see csrc/linear_quant.c):
+    int4 stays 4 bits and int8 8 bits a weight, scales and offsets fp16 where that is exact."""
+
+    def __init__(self, weight: QuantizedWeight, portable: bool = False) -> None:
+        n, k_in = weight.shape
+        g, bits = weight.group_size, weight.bits
+        k = -(-k_in // _XBLOCK) * _XBLOCK
+        group = k if g == k_in else g
+        sub = 16 if g == 16 else 32
+        if group % sub or k % group:
+            raise ValueError(f"groups of {g} columns are not a layout of the native quantized kernel.")
+        self.n, self.k_in = n, k_in
+        tiles, groups = -(-n // _QTILE), k // group
+        q = torch.zeros(tiles * _QTILE, k, dtype=torch.uint8)
+        q[:n, :k_in] = weight.q if bits == 4 else weight.q.view(torch.uint8) ^ 0x80
+        if bits == 4:  # byte 4j + i of unit u: columns 8u + i (low nibble) and 8u + 4 + i (high)
+            units = q.view(tiles, _QTILE, groups, group // 8, 2, 4)
+            data = units[..., 0, :] | (units[..., 1, :] << 4)
+        else:  # byte 4j + i of unit u: column 4u + i
+            data = q.view(tiles, _QTILE, groups, group // 4, 4)
+        values = [weight.scale] + ([weight.offset] if bits == 4 else [])
+        # [tiles * 16, groups] per value, zero where padded, then each tile's 16 values per group.
+        values = [F.pad(v.float(), (0, groups - v.shape[1], 0, tiles * _QTILE - n)) for v in values]
+        half = all(_fits_half(v) for v in values)
+        values = [v.view(tiles, _QTILE, groups).transpose(1, 2).contiguous() for v in values]
+        values = [(v.half() if half else v).view(torch.uint8).view(tiles, groups, -1) for v in values]
+        self.packed = torch.cat(
+            [data.permute(0, 2, 3, 1, 4).reshape(tiles, groups, -1), *values], dim=2
+        ).flatten()
+        self.perm = None if weight.perm is None else weight.perm.to(torch.int32).contiguous()
+        perm_ptr = None if self.perm is None else self.perm.data_ptr()
+        self.desc = _QuantWeight(
+            self.packed.data_ptr(), perm_ptr, n, k, k_in, group, sub, bits, half, portable
+        )
+        self.desc_ptr = ctypes.addressof(self.desc)
+        self.fn = function("linear_quant", i32, ptr, ptr, i64, i32, i32, ptr, ptr, i32)
+        self.rows_fn = function("quant_rows", None, ptr, ptr, i32, i32, ptr, i32)
+
+    @property
+    def resident(self) -> tuple[torch.Tensor, ...]:
+        return (self.packed,) if self.perm is None else (self.packed, self.perm)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.dtype not in (BF16, torch.float32) or x.shape[1] != self.k_in:
+            raise ValueError(
+                f"a quantized [{self.n}, {self.k_in}] weight takes bf16 or fp32 [rows, {self.k_in}]."
+            )
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        if bias is not None:
+            bias = bias.to(x.dtype).contiguous()
+        out = torch.empty(x.shape[0], self.n, dtype=x.dtype)
+        status = self.fn(
+            self.desc_ptr,
+            x.data_ptr(),
+            x.stride(0),
+            x.shape[0],
+            x.dtype == BF16,
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if status != 0:
+            raise MemoryError("no memory for the quantized linear layer's scratch buffers.")
+        return out
+
+    def rows(self, ids: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` (None: all) dequantized exactly as `dequantize()` gives them, in `dtype`."""
+        flat = None
+        if ids is not None:
+            _check_ids(ids, self.n)
+            flat = ids.flatten().to(torch.int64).contiguous()
+        count = self.n if flat is None else flat.numel()
+        out_dtype = dtype if dtype in (BF16, torch.float32) else torch.float32
+        out = torch.empty(count, self.k_in, dtype=out_dtype)
+        ids_ptr = None if flat is None else flat.data_ptr()
+        self.rows_fn(
+            self.desc_ptr, ids_ptr, count, out_dtype == BF16, out.data_ptr(), torch.get_num_threads()
+        )
+        if self.perm is not None:  # stored column c is input column perm[c]
+            out = torch.empty_like(out).index_copy_(1, self.perm.long(), out)
+        return out.to(dtype) if ids is None else out.to(dtype).view(*ids.shape, self.k_in)
 
 
-def _rows(q: QuantizedWeight, ids: torch.Tensor) -> dict:
-    names = ("q", "scale", "offset") if hasattr(q, "offset") else ("q", "scale")
-    return {name: getattr(q, name).index_select(0, ids) for name in names}
+class _DequantizedMatmul:
+    """For many rows: the weight dequantized from the native tiles (C, all threads) to x's dtype, then
+    F.linear (oneDNN or MKL). The dense weight lives for the call only."""
+
+    def __init__(self, tiles: _QuantTiles) -> None:
+        self.tiles = tiles
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, self.tiles.rows(None, x.dtype), bias)
+
+
+def native_quant() -> bool:
+    """Whether the quantized kernel runs AVX512-VNNI here (else its plain C loops, or nothing)."""
+    fn = function("linear_quant_native", i32)
+    return fn is not None and bool(fn())
+
+
+def _random_weight(kind: type, n: int, k: int, group: int, act_order: bool) -> QuantizedWeight:
+    gen = torch.Generator().manual_seed(0)
+    scale = torch.rand(n, k // group, generator=gen).half().float()
+    perm = torch.randperm(k, generator=gen) if act_order else None
+    if kind is Int4Weight:
+        q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+        return Int4Weight(q, scale, -8 * scale, group, perm)
+    return kind(torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8), scale, group)
+
+
+@cache
+def _quant_plan(kind: type, n: int, k: int, group: int, act_order: bool, dtype: torch.dtype) -> _Plan:
+    """Native kernel or dequantize + matmul, timed once per format and shape on a random weight."""
+    tiles = _QuantTiles(_random_weight(kind, n, k, group, act_order), portable=not native_quant())
+    return _timed_plan(tiles, _DequantizedMatmul(tiles), k, dtype, other_costs_memory=False)
+
+
+def _pack_quantized(weight: QuantizedWeight, dtype: torch.dtype) -> PackedLinear:
+    n, k = weight.shape
+    fallback = _Dequantize(weight)
+    if not available():
+        return PackedLinear(n, k, fallback, fallback, _ALL, fallback.rows, fallback.resident)
+    try:
+        tiles = _QuantTiles(weight, portable=not native_quant())
+    except ValueError:
+        return PackedLinear(n, k, fallback, fallback, _ALL, fallback.rows, fallback.resident)
+    plan = _quant_plan(type(weight), n, k, weight.group_size, weight.perm is not None, dtype)
+    large = tiles if plan.native_rows == _ALL else _DequantizedMatmul(tiles)
+    return PackedLinear(n, k, tiles, large, plan.native_rows, tiles.rows, tiles.resident)

@@ -1,0 +1,141 @@
+/* Dense bf16 linear layers for the CPU: out[M, N] = x[M, K] @ W[N, K]^T (+ bias), sums in fp32.
+ *
+ * At small M a linear layer is bound by reading W from memory, so W is packed once (kernels/cpu/linear.py)
+ * into "pair tiles" that one thread reads front to back: tiles of 32 output rows, and in each tile, for
+ * every pair of input columns, the 32 rows' two values side by side,
+ *     tile[p][j][t] = W[32 * tile + j][2 * p + t]     (zero past N and past an odd K),
+ * so that one pair of a tile is two 16-lane vectors of bf16 pairs: vdpbf16ps multiplies them by a
+ * broadcast pair of x and adds each lane's two exact products to its row's fp32 sum, with no shuffles and
+ * no horizontal sums. Up to MAX_MR rows of x share each loaded vector; larger M runs in chunks of rows,
+ * the tile then coming from L2. Threads take contiguous runs of tiles, one sequential stream each.
+ *
+ * Layouts: x [M, K] bf16 with row stride ldx (its pairs are read as 32-bit words, so K is even here: the
+ * caller pads an odd K); out [M, N] bf16, contiguous; bias [N] bf16 or null.
+ */
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "bf16.h"
+
+#define TILE 32
+#define MAX_MR 12
+#define PREFETCH_BYTES 1024 /* how far ahead of the loads each thread asks for its stream */
+
+/* A packed weight, set up once per layer by the caller. */
+struct bf16_weight {
+    const uint16_t *tiles;
+    int n, k;     /* k even */
+    int portable; /* the plain loops even where AVX512-BF16 is present (tests run both paths) */
+};
+
+static inline int chunk_rows(int m) { /* rows per chunk, as even as MAX_MR allows */
+    int chunks = (m + MAX_MR - 1) / MAX_MR;
+    return (m + chunks - 1) / chunks;
+}
+
+/* The plain C loops, for CPUs without AVX512-BF16 (vectorised by the compiler for the machine). */
+static void tile_portable(const uint16_t *x, long ldx, int mr, const uint16_t *w, int pairs, const uint16_t *bias,
+                          uint16_t *out, long ldo, int valid) {
+    for (int m = 0; m < mr; m++) {
+        float acc[TILE] = {0};
+        const uint16_t *xm = x + m * ldx;
+        for (int p = 0; p < pairs; p++) {
+            float x0 = bf16_to_float(xm[2 * p]), x1 = bf16_to_float(xm[2 * p + 1]);
+            const uint16_t *wp = w + (long)p * 2 * TILE;
+            for (int j = 0; j < TILE; j++) acc[j] += bf16_to_float(wp[2 * j]) * x0 + bf16_to_float(wp[2 * j + 1]) * x1;
+        }
+        for (int j = 0; j < valid; j++)
+            out[m * ldo + j] = float_to_bf16(acc[j] + (bias ? bf16_to_float(bias[j]) : 0.f));
+    }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define HAVE_AVX512_BF16 1
+
+/* One tile against MR rows of x, MR constant at each call site so the sums stay in registers. */
+static inline __attribute__((always_inline)) void tile_avx512(const uint16_t *x, long ldx, const int MR,
+                                                              const uint16_t *w, int pairs, const uint16_t *bias,
+                                                              uint16_t *out, long ldo, int valid) {
+    __m512 acc[MAX_MR][2]; /* fixed size (not MR): a variable-length array would live in memory */
+#pragma GCC unroll 12
+    for (int m = 0; m < MR; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    for (int p = 0; p < pairs; p++) {
+        const uint16_t *wp = w + (long)p * 2 * TILE;
+        _mm_prefetch((const char *)wp + PREFETCH_BYTES, _MM_HINT_T0);
+        _mm_prefetch((const char *)wp + PREFETCH_BYTES + 64, _MM_HINT_T0);
+        __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp), w1 = (__m512bh)_mm512_loadu_si512(wp + 32);
+#pragma GCC unroll 12
+        for (int m = 0; m < MR; m++) {
+            int32_t pair;
+            memcpy(&pair, x + m * ldx + 2 * p, sizeof pair);
+            __m512bh xp = (__m512bh)_mm512_set1_epi32(pair);
+            acc[m][0] = _mm512_dpbf16_ps(acc[m][0], w0, xp);
+            acc[m][1] = _mm512_dpbf16_ps(acc[m][1], w1, xp);
+        }
+    }
+    __mmask16 lo = first_lanes(valid), hi = valid > 16 ? first_lanes(valid - 16) : 0;
+    __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+    if (bias) {
+        b0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lo, bias)), 16));
+        if (valid > 16)
+            b1 = _mm512_castsi512_ps(
+                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(hi, bias + 16)), 16));
+    }
+#pragma GCC unroll 12
+    for (int m = 0; m < MR; m++) {
+        _mm256_mask_storeu_epi16(out + m * ldo, lo, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m][0], b0)));
+        if (valid > 16)
+            _mm256_mask_storeu_epi16(out + m * ldo + 16, hi,
+                                     (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m][1], b1)));
+    }
+}
+
+static void tile_rows_avx512(const uint16_t *x, long ldx, int mr, const uint16_t *w, int pairs, const uint16_t *bias,
+                             uint16_t *out, long ldo, int valid) {
+    switch (mr) {
+#define CASE(MR)                                                       \
+    case MR:                                                           \
+        tile_avx512(x, ldx, MR, w, pairs, bias, out, ldo, valid);      \
+        break;
+        CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) CASE(9) CASE(10) CASE(11) CASE(12)
+#undef CASE
+    }
+}
+#endif
+
+/* Whether linear_bf16 runs vdpbf16ps here (1) or the plain loops (0). */
+int linear_bf16_native(void) {
+#ifdef HAVE_AVX512_BF16
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+void linear_bf16(const struct bf16_weight *w, const uint16_t *x, long ldx, int m, const uint16_t *bias,
+                 uint16_t *out, int num_threads) {
+    if (m == 0) return;
+    int tiles = (w->n + TILE - 1) / TILE, pairs = w->k / 2, mr = chunk_rows(m);
+    long tile_elems = (long)pairs * 2 * TILE;
+#pragma omp parallel num_threads(tiles < num_threads ? tiles : num_threads)
+    {
+        int t = omp_get_thread_num(), threads = omp_get_num_threads();
+        for (int tile = tiles * t / threads; tile < tiles * (t + 1) / threads; tile++) {
+            const uint16_t *wt = w->tiles + tile * tile_elems, *b = bias ? bias + tile * TILE : 0;
+            int valid = w->n - tile * TILE < TILE ? w->n - tile * TILE : TILE;
+            for (int r = 0; r < m; r += mr) {
+                int rows = m - r < mr ? m - r : mr;
+                const uint16_t *xr = x + r * ldx;
+                uint16_t *o = out + (long)r * w->n + tile * TILE;
+#ifdef HAVE_AVX512_BF16
+                if (!w->portable) {
+                    tile_rows_avx512(xr, ldx, rows, wt, pairs, b, o, w->n, valid);
+                    continue;
+                }
+#endif
+                tile_portable(xr, ldx, rows, wt, pairs, b, o, w->n, valid);
+            }
+        }
+    }
+}

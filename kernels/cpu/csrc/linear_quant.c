@@ -1,0 +1,413 @@
+/* Weight-only quantized linear layers for the CPU: out[M, N] = x[M, K] @ W[N, K]^T (+ bias), where
+ *     int4: W[o, k] = d[o, g] * q[o, k] + m[o, g]   (q in 0..15; GGUF Q4_0/Q4_1/Q4_K, AWQ, GPTQ)
+ *     int8: W[o, k] = d[o, g] * q[o, k]             (q in -128..127; GGUF Q8_0/Q6_K, per-channel int8)
+ * for groups g of `group` input columns.
+ *
+ * x is quantized too, per block of 32 columns with its own fp32 scale, so the products are integer dot
+ * products: vpdpbusd multiplies 4 unsigned bytes by 4 signed bytes per 32-bit lane and adds them, 64
+ * products an instruction with no conversion of the weights to floating point. Unlike llama.cpp, which
+ * rounds x to 8 bits (an error of about 0.5 % of the output, twice that of a bf16 matmul), x is rounded
+ * to 16 bits, x16 = 256 * hi + lo with hi and lo signed bytes, and each weight meets both: twice the
+ * instructions, an error 256 times smaller. Each sub-block (32 columns, or 16 where the group is 16)
+ * gives one int32 dot product per output, which x's block scale turns into the group's fp32 sum, which
+ * the group's weight scale multiplies. The int4 offsets multiply the group's exact (fp32) sum of x.
+ *
+ * Packed layout (built once by kernels/cpu/linear.py): tiles of 16 output rows; per tile, per group, its
+ * sub-blocks' weights, then the group's 16 scales, then (int4) its 16 offsets, fp16 where both are exact
+ * in fp16, else fp32. Within a sub-block, one 64-byte vector per unit of 4 columns (int8) or 8 columns
+ * (int4): byte 4j+i is row j's column 4u+i (int8, stored as q + 128, unsigned), or its columns 8u+i (low
+ * nibble) and 8u+4+i (high nibble) (int4), so a lane holds the 4 bytes vpdpbusd takes for one output.
+ * Rows past N are zero, and so are columns past K (K is padded to a whole number of 32-column blocks;
+ * x's padding is zero).
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+
+#define QTILE 16
+#define XBLOCK 32 /* columns of x per int8 scale */
+#define MAX_QMR 8
+#define STACK_SCRATCH (64 * 1024) /* quantized x up to this size lives on the stack, not the heap */
+
+/* A packed weight, set up once per layer by the caller. */
+struct qweight {
+    const uint8_t *packed;
+    const int32_t *perm; /* act-order: stored column c multiplies x[perm[c]]; or null */
+    int n, k, k_in;      /* k: k_in padded to a multiple of XBLOCK */
+    int group;           /* columns per group (a multiple of the sub-block) */
+    int sub;             /* columns per sub-block: 32, or 16 for groups of 16 */
+    int bits;            /* 4 or 8 */
+    int half;            /* scales and offsets stored as fp16 (1) or fp32 (0) */
+    int portable;        /* the plain C loops even where AVX512-VNNI is present (tests run both) */
+};
+
+/* x quantized per XBLOCK: hi and lo [M, k], scales [M, k / XBLOCK]; per row and group, the exact sum of
+ * x (which the int4 offsets multiply) and the correction each group's sum starts from (see quantize_row). */
+struct qx {
+    int8_t *hi, *lo;
+    float *scale, *gsum, *gcorr;
+};
+
+#define X16_MAX (127 * 256 + 127) /* the largest |x16| whose hi byte is at most 127 */
+
+static long group_bytes(const struct qweight *w) {
+    long weights = (long)w->group * w->bits / 8 * QTILE, values = QTILE * (w->half ? 2 : 4);
+    return weights + values * (w->bits == 4 ? 2 : 1);
+}
+
+static inline float load_value(const uint8_t *p, int j, int half) {
+    if (half) {
+        uint16_t h;
+        memcpy(&h, p + 2 * j, 2);
+        return _cvtsh_ss(h);
+    }
+    float f;
+    memcpy(&f, p + 4 * j, 4);
+    return f;
+}
+
+/* Column c of x's row as fp32 (zero past k_in), through the act-order where given. */
+static inline float x_at(const struct qweight *w, const void *x, int is_bf16, int c) {
+    int src = c >= w->k_in ? -1 : w->perm ? w->perm[c] : c;
+    return src < 0 ? 0.f : is_bf16 ? bf16_to_float(((const uint16_t *)x)[src]) : ((const float *)x)[src];
+}
+
+/* One block of XBLOCK values of x into x16 = round(x / d) (nearest, ties to even, as rintf and vcvtps2dq
+ * round) with d = max|x| / X16_MAX, stored as its bytes hi = floor((x16 + 128) / 256) and lo = x16 - 256 hi,
+ * both signed. Stores hi, lo and d, and the sums of x16 and of x over each half of the block. */
+#if defined(__AVX512F__)
+static inline void quantize_block(const float *v, const void *x, int is_bf16, int8_t *hi, int8_t *lo, float *d,
+                                  int *sums, float *exact) {
+    __m512 half[2];
+    if (v) { /* gathered already */
+        half[0] = _mm512_loadu_ps(v), half[1] = _mm512_loadu_ps(v + 16);
+    } else if (is_bf16) {
+        __m512i raw = _mm512_loadu_si512(x);
+        half[0] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw)), 16));
+        half[1] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(raw, 1)), 16));
+    } else {
+        half[0] = _mm512_loadu_ps(x), half[1] = _mm512_loadu_ps((const float *)x + 16);
+    }
+    float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(half[0]), _mm512_abs_ps(half[1])));
+    __m512 inv = _mm512_set1_ps(amax > 0.f ? X16_MAX / amax : 0.f);
+    for (int h = 0; h < 2; h++) {
+        __m512i x16 = _mm512_cvtps_epi32(_mm512_mul_ps(half[h], inv));
+        __m512i high = _mm512_srai_epi32(_mm512_add_epi32(x16, _mm512_set1_epi32(128)), 8);
+        _mm_storeu_si128((__m128i *)(hi + 16 * h), _mm512_cvtepi32_epi8(high));
+        _mm_storeu_si128((__m128i *)(lo + 16 * h), _mm512_cvtepi32_epi8(_mm512_sub_epi32(x16, _mm512_slli_epi32(high, 8))));
+        sums[h] = _mm512_reduce_add_epi32(x16);
+        exact[h] = _mm512_reduce_add_ps(half[h]);
+    }
+    *d = amax / X16_MAX;
+}
+#else
+static inline void quantize_block(const float *v, const void *x, int is_bf16, int8_t *hi, int8_t *lo, float *d,
+                                  int *sums, float *exact) {
+    float loaded[XBLOCK], amax = 0.f;
+    if (!v) {
+        for (int i = 0; i < XBLOCK; i++)
+            loaded[i] = is_bf16 ? bf16_to_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+        v = loaded;
+    }
+    for (int i = 0; i < XBLOCK; i++) amax = fabsf(v[i]) > amax ? fabsf(v[i]) : amax;
+    float inv = amax > 0.f ? X16_MAX / amax : 0.f;
+    sums[0] = sums[1] = 0, exact[0] = exact[1] = 0.f;
+    for (int i = 0; i < XBLOCK; i++) {
+        int x16 = (int)rintf(v[i] * inv), high = (x16 + 128) >> 8;
+        hi[i] = (int8_t)high;
+        lo[i] = (int8_t)(x16 - 256 * high);
+        sums[i / 16] += x16;
+        exact[i / 16] += v[i];
+    }
+    *d = amax / X16_MAX;
+}
+#endif
+
+/* One row of x (bf16 or fp32, columns in act-order where given) into blocks x16 with scales s, and per
+ * group: gsum, the exact sum of x, and gcorr, what the group's sum of products starts from. Int8 weights
+ * are stored as q + 128, so their products carry 128 * s * sum(x16) too: gcorr takes it off. For int4,
+ * gcorr = 8 * (sum(x) - s * sum(x16)) makes the rounding of x count as if weighed by q - 8 (about the
+ * weight's size: the usual offset is about -8 scales) rather than by q (0..15). */
+static void quantize_row(const struct qweight *w, const void *x, int is_bf16, int8_t *hi, int8_t *lo, float *scale,
+                         float *gsum, float *gcorr) {
+    float v[XBLOCK];
+    int groups = w->k / w->group;
+    for (int g = 0; g < groups; g++) gsum[g] = gcorr[g] = 0.f;
+    for (int b = 0; b < w->k / XBLOCK; b++) {
+        int c0 = b * XBLOCK, gather = w->perm || c0 + XBLOCK > w->k_in, sums[2];
+        if (gather)
+            for (int i = 0; i < XBLOCK; i++) v[i] = x_at(w, x, is_bf16, c0 + i);
+        float exact[2];
+        quantize_block(gather ? v : 0, (const char *)x + (long)c0 * (is_bf16 ? 2 : 4), is_bf16, hi + c0, lo + c0,
+                       scale + b, sums, exact);
+        float d = scale[b];
+        for (int h = 0; h < 2; h++) { /* halves: a group of 16 columns holds one */
+            int g = (c0 + h * 16) / w->group;
+            float quantized = d * (float)sums[h];
+            gsum[g] += exact[h];
+            gcorr[g] += w->bits == 4 ? 8.f * (exact[h] - quantized) : -128.f * quantized;
+        }
+    }
+}
+
+static inline void store_row(void *out, long at, const float *y, const void *bias, int is_bf16, int valid) {
+    for (int j = 0; j < valid; j++) {
+        float b = !bias ? 0.f : is_bf16 ? bf16_to_float(((const uint16_t *)bias)[j]) : ((const float *)bias)[j];
+        if (is_bf16)
+            ((uint16_t *)out)[at + j] = float_to_bf16(y[j] + b);
+        else
+            ((float *)out)[at + j] = y[j] + b;
+    }
+}
+
+/* The plain C loops over the same layout, for CPUs without AVX512-VNNI. */
+static void qtile_portable(const struct qweight *w, const uint8_t *tile, const struct qx *x, int m0, int mr,
+                           const void *bias, int is_bf16, void *out, int valid) {
+    int groups = w->k / w->group, xblocks = w->k / XBLOCK, vec_cols = w->bits == 4 ? 8 : 4;
+    int values = QTILE * (w->half ? 2 : 4);
+    for (int m = m0; m < m0 + mr; m++) {
+        float y[QTILE] = {0};
+        const uint8_t *p = tile;
+        const int8_t *xh = x->hi + (long)m * w->k, *xl = x->lo + (long)m * w->k;
+        for (int g = 0; g < groups; g++) {
+            float gacc[QTILE];
+            for (int j = 0; j < QTILE; j++) gacc[j] = x->gcorr[(long)m * groups + g];
+            for (int c0 = g * w->group; c0 < (g + 1) * w->group; c0 += w->sub) {
+                int32_t dot[QTILE] = {0};
+                for (int u = 0; u < w->sub / vec_cols; u++, p += 64) {
+                    const int8_t *h = xh + c0 + u * vec_cols, *l = xl + c0 + u * vec_cols;
+                    for (int j = 0; j < QTILE; j++)
+                        for (int i = 0; i < 4; i++) {
+                            int byte = p[4 * j + i], x0 = 256 * h[i] + l[i];
+                            dot[j] += w->bits == 8 ? byte * x0 : (byte & 15) * x0 + (byte >> 4) * (256 * h[4 + i] + l[4 + i]);
+                        }
+                }
+                float s = x->scale[(long)m * xblocks + c0 / XBLOCK];
+                for (int j = 0; j < QTILE; j++) gacc[j] += (float)dot[j] * s;
+            }
+            for (int j = 0; j < QTILE; j++) y[j] += load_value(p, j, w->half) * gacc[j];
+            p += values;
+            if (w->bits == 4) {
+                float sx = x->gsum[(long)m * groups + g];
+                for (int j = 0; j < QTILE; j++) y[j] += load_value(p, j, w->half) * sx;
+                p += values;
+            }
+        }
+        store_row(out, (long)m * w->n, y, bias, is_bf16, valid);
+    }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define HAVE_AVX512_VNNI 1
+
+static inline __m512 load_values16(const uint8_t *p, const int HALF) {
+    return HALF ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)) : _mm512_loadu_ps(p);
+}
+
+/* One tile against MR rows of x, all of MR, BITS, SUB and HALF constant at each call site (the sums stay
+ * in registers). */
+static inline __attribute__((always_inline)) void qtile_avx512(const struct qweight *w, const uint8_t *tile,
+                                                               const struct qx *x, int m0, const int MR,
+                                                               const int BITS, const int SUB, const int HALF,
+                                                               const void *bias, int is_bf16, void *out, int valid) {
+    const int UNITS = SUB * BITS / 32, WV = SUB / 4, VALUES = QTILE * (HALF ? 2 : 4);
+    const int groups = w->k / w->group, subs = w->group / SUB, xblocks = w->k / XBLOCK;
+    const __m512i low = _mm512_set1_epi8(15);
+    const int8_t *xh[MAX_QMR], *xl[MAX_QMR];
+    const float *xs[MAX_QMR], *gsum[MAX_QMR], *gcorr[MAX_QMR];
+    __m512 y[MAX_QMR];
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; m++) {
+        xh[m] = x->hi + (long)(m0 + m) * w->k;
+        xl[m] = x->lo + (long)(m0 + m) * w->k;
+        xs[m] = x->scale + (long)(m0 + m) * xblocks;
+        gsum[m] = x->gsum + (long)(m0 + m) * groups;
+        gcorr[m] = x->gcorr + (long)(m0 + m) * groups;
+        y[m] = _mm512_setzero_ps();
+    }
+    const uint8_t *p = tile;
+    for (int g = 0, c = 0; g < groups; g++) {
+        __m512 gacc[MAX_QMR];
+#pragma GCC unroll 8
+        for (int m = 0; m < MR; m++) gacc[m] = _mm512_set1_ps(gcorr[m][g]);
+        for (int s = 0; s < subs; s++, c += SUB, p += 64 * UNITS) {
+            __m512i wv[8];
+#pragma GCC unroll 8
+            for (int u = 0; u < UNITS; u++) {
+                __m512i v = _mm512_loadu_si512(p + 64 * u);
+                if (BITS == 8) {
+                    wv[u] = v;
+                } else {
+                    wv[2 * u] = _mm512_and_si512(v, low);
+                    wv[2 * u + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                }
+            }
+#pragma GCC unroll 8
+            for (int m = 0; m < MR; m++) {
+                __m512i dot_hi = _mm512_setzero_si512(), dot_lo = _mm512_setzero_si512();
+#pragma GCC unroll 8
+                for (int v = 0; v < WV; v++) {
+                    int32_t h, l;
+                    memcpy(&h, xh[m] + c + 4 * v, 4);
+                    memcpy(&l, xl[m] + c + 4 * v, 4);
+                    dot_hi = _mm512_dpbusd_epi32(dot_hi, wv[v], _mm512_set1_epi32(h));
+                    dot_lo = _mm512_dpbusd_epi32(dot_lo, wv[v], _mm512_set1_epi32(l));
+                }
+                __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(dot_hi, 8), dot_lo));
+                gacc[m] = _mm512_fmadd_ps(sum, _mm512_set1_ps(xs[m][c / XBLOCK]), gacc[m]);
+            }
+        }
+        __m512 d = load_values16(p, HALF);
+        p += VALUES;
+#pragma GCC unroll 8
+        for (int m = 0; m < MR; m++) y[m] = _mm512_fmadd_ps(d, gacc[m], y[m]);
+        if (BITS == 4) {
+            __m512 off = load_values16(p, HALF);
+            p += VALUES;
+#pragma GCC unroll 8
+            for (int m = 0; m < MR; m++) y[m] = _mm512_fmadd_ps(off, _mm512_set1_ps(gsum[m][g]), y[m]);
+        }
+    }
+    __mmask16 mask = first_lanes(valid);
+    __m512 b = _mm512_setzero_ps();
+    if (bias && is_bf16)
+        b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias)), 16));
+    else if (bias)
+        b = _mm512_maskz_loadu_ps(mask, bias);
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; m++) {
+        __m512 r = _mm512_add_ps(y[m], b);
+        long at = (long)(m0 + m) * w->n;
+        if (is_bf16)
+            _mm256_mask_storeu_epi16((uint16_t *)out + at, mask, (__m256i)_mm512_cvtneps_pbh(r));
+        else
+            _mm512_mask_storeu_ps((float *)out + at, mask, r);
+    }
+}
+
+static void qtile_rows_avx512(const struct qweight *w, const uint8_t *tile, const struct qx *x, int m0, int mr,
+                              const void *bias, int is_bf16, void *out, int valid) {
+#define CASE(MR, BITS, SUB, HALF)                                                         \
+    if (mr == MR && w->bits == BITS && w->sub == SUB && w->half == HALF) {               \
+        qtile_avx512(w, tile, x, m0, MR, BITS, SUB, HALF, bias, is_bf16, out, valid);    \
+        return;                                                                           \
+    }
+#define ROWS(BITS, SUB, HALF)                                                                                     \
+    CASE(1, BITS, SUB, HALF) CASE(2, BITS, SUB, HALF) CASE(3, BITS, SUB, HALF) CASE(4, BITS, SUB, HALF)          \
+    CASE(5, BITS, SUB, HALF) CASE(6, BITS, SUB, HALF) CASE(7, BITS, SUB, HALF) CASE(8, BITS, SUB, HALF)
+    ROWS(4, 32, 1) ROWS(4, 32, 0) ROWS(4, 16, 1) ROWS(4, 16, 0)
+    ROWS(8, 32, 1) ROWS(8, 32, 0) ROWS(8, 16, 1) ROWS(8, 16, 0)
+#undef ROWS
+#undef CASE
+}
+#endif
+
+/* Whether linear_quant runs vpdpbusd here (1) or the plain loops (0). */
+int linear_quant_native(void) {
+#ifdef HAVE_AVX512_VNNI
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Row r of x into the scratch of qx; row_bytes: x's row stride in bytes. */
+static void quantize(const struct qweight *w, const void *x, long row_bytes, int is_bf16, const struct qx *qx,
+                     int r) {
+    int groups = w->k / w->group;
+    quantize_row(w, (const char *)x + r * row_bytes, is_bf16, qx->hi + (long)r * w->k, qx->lo + (long)r * w->k,
+                 qx->scale + (long)r * (w->k / XBLOCK), qx->gsum + (long)r * groups, qx->gcorr + (long)r * groups);
+}
+
+/* x [M, k_in] bf16 or fp32 (row stride ldx); out [M, N] in x's dtype, contiguous; bias [N] in x's dtype or
+ * null. Returns 0, or -1 where scratch memory ran out. */
+int linear_quant(const struct qweight *w, const void *x, long ldx, int m, int is_bf16, const void *bias, void *out,
+                 int num_threads) {
+    if (m == 0) return 0;
+    int groups = w->k / w->group, tiles = (w->n + QTILE - 1) / QTILE, chunks = (m + MAX_QMR - 1) / MAX_QMR;
+    int mr = (m + chunks - 1) / chunks; /* rows per chunk, as even as MAX_QMR allows */
+    long q_bytes = 2L * m * w->k, f_count = (long)m * (w->k / XBLOCK + 2 * groups);
+    size_t scratch_bytes = q_bytes + sizeof(float) * f_count + 64;
+    int on_heap = scratch_bytes > STACK_SCRATCH;
+    char stack[on_heap ? 1 : scratch_bytes];
+    char *scratch = on_heap ? malloc(scratch_bytes) : stack;
+    if (!scratch) return -1;
+    float *f = (float *)(((uintptr_t)scratch + q_bytes + 63) & ~(uintptr_t)63);
+    struct qx qx = {(int8_t *)scratch, (int8_t *)scratch + (long)m * w->k, f, f + (long)m * (w->k / XBLOCK),
+                    f + (long)m * (w->k / XBLOCK + groups)};
+    int size = is_bf16 ? 2 : 4;
+    long tile_bytes = groups * group_bytes(w);
+    if (num_threads > tiles) num_threads = tiles;
+    /* A few rows are quantized before the threads start (well under a microsecond a row), sparing the
+     * barrier, which a thread of a busy machine can hold up for a whole time slice. */
+    int serial = m <= MAX_QMR;
+    if (serial)
+        for (int r = 0; r < m; r++) quantize(w, x, ldx * size, is_bf16, &qx, r);
+#pragma omp parallel num_threads(num_threads)
+    {
+        int t = omp_get_thread_num(), threads = omp_get_num_threads();
+        if (!serial) {
+            for (int r = m * t / threads; r < m * (t + 1) / threads; r++) quantize(w, x, ldx * size, is_bf16, &qx, r);
+#pragma omp barrier
+        }
+        for (int tile = tiles * t / threads; tile < tiles * (t + 1) / threads; tile++) {
+            const uint8_t *tp = w->packed + tile * tile_bytes;
+            const void *b = bias ? (const char *)bias + (long)tile * QTILE * size : 0;
+            void *o = (char *)out + (long)tile * QTILE * size;
+            int valid = w->n - tile * QTILE < QTILE ? w->n - tile * QTILE : QTILE;
+            for (int r = 0; r < m; r += mr) {
+                int rows = m - r < mr ? m - r : mr;
+#ifdef HAVE_AVX512_VNNI
+                if (!w->portable) {
+                    qtile_rows_avx512(w, tp, &qx, r, rows, b, is_bf16, o, valid);
+                    continue;
+                }
+#endif
+                qtile_portable(w, tp, &qx, r, rows, b, is_bf16, o, valid);
+            }
+        }
+    }
+    if (on_heap) free(scratch);
+    return 0;
+}
+
+/* Rows ids[0..count) (ids null: rows 0..count) of the weight dequantized as the reference does it (q * d
+ * + m, each step rounded to fp32 as PyTorch computes it), columns in stored order, into out [count, k_in]
+ * bf16 or fp32: embedding lookups of a tied weight, and whole weights for a dense matmul of many rows. */
+void quant_rows(const struct qweight *w, const int64_t *ids, int count, int is_bf16, void *out, int num_threads) {
+    long gbytes = group_bytes(w), weight_bytes = (long)w->group * w->bits / 8 * QTILE;
+    int groups = w->k / w->group, values = QTILE * (w->half ? 2 : 4);
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (count > 16)
+    for (int r = 0; r < count; r++) {
+        long row = ids ? ids[r] : r;
+        int j = (int)(row % QTILE);
+        const uint8_t *tile = w->packed + row / QTILE * groups * gbytes;
+        float v[w->group]; /* one group of the row, in stored column order */
+        for (int g = 0; g < groups; g++) {
+            const uint8_t *p = tile + g * gbytes;
+            float d = load_value(p + weight_bytes, j, w->half);
+            float m = w->bits == 4 ? load_value(p + weight_bytes + values, j, w->half) : 0.f;
+            for (int u = 0; u < w->group / (w->bits == 4 ? 8 : 4); u++) {
+                const uint8_t *b = p + 64 * u + 4 * j;
+                for (int i = 0; i < 4; i++) {
+                    if (w->bits == 4) {
+                        v[8 * u + i] = (float)(b[i] & 15) * d + m;
+                        v[8 * u + 4 + i] = (float)(b[i] >> 4) * d + m;
+                    } else {
+                        v[4 * u + i] = (float)(int8_t)(b[i] ^ 0x80) * d;
+                    }
+                }
+            }
+            int cols = w->k_in - g * w->group < w->group ? w->k_in - g * w->group : w->group;
+            long at = (long)r * w->k_in + (long)g * w->group;
+            if (is_bf16)
+                for (int c = 0; c < cols; c++) ((uint16_t *)out)[at + c] = float_to_bf16(v[c]);
+            else
+                memcpy((float *)out + at, v, sizeof(float) * cols);
+        }
+    }
+}

@@ -1,0 +1,394 @@
+"""The CPU linear kernels (`kernels.cpu.linear`) against the fp32 matmul of the weight they were given
+(`x.float() @ w.dequantize().T` for quantized weights), on fresh random inputs.
+
+Every routine is run by itself (the native AVX-512 kernels, their plain C loops, oneDNN, dequantize and
+matmul), so a CPU on which `pack` prefers one routine still tests the others. The tolerance is a bf16
+matmul's: each output within 2^-8 of the sum of its products' magnitudes (|x| @ |w|^T), which covers
+rounding the output to bf16 (2^-9); fp32 outputs within 2^-12.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels.cpu import linear as cpu_linear
+from kernels.cpu._build import available
+from kernels.quantized import Int4Weight, Int8Weight
+
+BF16, FP32 = torch.bfloat16, torch.float32
+ROWS = (1, 2, 3, 4, 5, 8, 16, 33, 300)
+# SmolLM2-135M's projections (out, in): qkv, o, gate_up, down; then shapes that fill no whole tile
+# (N not a multiple of 32 or 16, odd K).
+MODEL_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+ODD_SHAPES = [(45, 33), (1, 7), (100, 64)]
+LM_HEAD = (49152, 576)
+
+needs_native = pytest.mark.skipif(not available(), reason="no C compiler: the native kernels cannot build")
+needs_bf16 = pytest.mark.skipif(not cpu_linear.native_bf16(), reason="this CPU has no AVX512-BF16")
+needs_vnni = pytest.mark.skipif(not cpu_linear.native_quant(), reason="this CPU has no AVX512-VNNI")
+needs_onednn = pytest.mark.skipif(not cpu_linear.prepacking_works(BF16), reason="no oneDNN prepacked linear")
+
+
+def assert_matches(
+    out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+):
+    """`out` is x @ weight^T (+ bias) to the tolerance of its dtype, with every element written."""
+    reference = x.float() @ weight.float().T
+    magnitude = x.float().abs() @ weight.float().abs().T
+    if bias is not None:
+        reference += bias.float()
+        magnitude += bias.float().abs()
+    assert out.shape == reference.shape and out.dtype == x.dtype
+    assert torch.isfinite(out).all()
+    tolerance = 2**-8 if out.dtype == BF16 else 2**-12
+    error = (out.float() - reference).abs()
+    worst = int((error - tolerance * magnitude).argmax())
+    assert (error <= tolerance * magnitude + 1e-6).all(), (
+        f"error {error.flatten()[worst]:.3g} where |x| @ |w| is {magnitude.flatten()[worst]:.3g}"
+    )
+
+
+def int4_weight(n: int, k: int, group: int, gen: torch.Generator, act_order=False, fp16=True) -> Int4Weight:
+    """Q4_1-like (fp16 scales and offsets, exact in fp16) or AWQ-like (fp32 offsets -scale * zero)."""
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    scale = (torch.rand(n, k // group, generator=gen) / 8).half().float()
+    if fp16:
+        offset = (-8 * scale + torch.randn(n, k // group, generator=gen) / 100).half().float()
+    else:
+        offset = -scale * torch.randint(0, 16, (n, k // group), generator=gen) * (1 + 1 / 3)
+    perm = torch.randperm(k, generator=gen) if act_order else None
+    return Int4Weight(q, scale, offset, group, perm)
+
+
+def int8_weight(n: int, k: int, group: int, gen: torch.Generator) -> Int8Weight:
+    q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    return Int8Weight(q, (torch.rand(n, k // group, generator=gen) / 64).half().float(), group)
+
+
+def rand(gen: torch.Generator, *shape: int, dtype=BF16) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen).to(dtype)
+
+
+# -------------------------------------------------------------------------------------------- dense bf16
+
+DENSE_ROUTINES = {
+    "native": (lambda w: cpu_linear._BF16Tiles(w), [needs_native, needs_bf16]),
+    "portable": (lambda w: cpu_linear._BF16Tiles(w, portable=True), [needs_native]),
+    "onednn": (lambda w: cpu_linear._OneDNN(w, pad=False), [needs_onednn]),
+}
+
+
+@pytest.mark.parametrize(
+    "routine", [pytest.param(name, marks=marks) for name, (_, marks) in DENSE_ROUTINES.items()]
+)
+@pytest.mark.parametrize("shape", MODEL_SHAPES + ODD_SHAPES, ids=str)
+@pytest.mark.parametrize("rows", ROWS)
+def test_dense_bf16_routines_match_the_matmul(gen, routine, shape, rows):
+    weight = rand(gen, *shape)
+    x = rand(gen, rows, shape[1])
+    assert_matches(DENSE_ROUTINES[routine][0](weight)(x, None), x, weight)
+
+
+@needs_native
+@pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
+def test_dense_bf16_bias_strided_rows_and_two_threads(gen, portable):
+    if not portable and not cpu_linear.native_bf16():
+        pytest.skip("this CPU has no AVX512-BF16")
+    torch.set_num_threads(2)  # the tiles split between threads (restored by the conftest fixture)
+    weight, bias = rand(gen, 200, 97), rand(gen, 200)
+    wide = rand(gen, 7, 130)
+    x = wide[:, 5:102]  # rows 130 elements apart
+    routine = cpu_linear._BF16Tiles(weight, portable=portable)
+    assert_matches(routine(x, bias), x, weight, bias)
+
+
+@needs_native
+@needs_bf16
+@pytest.mark.parametrize("rows", [1, 5, 33])
+def test_dense_bf16_lm_head(gen, rows):
+    weight = rand(gen, *LM_HEAD)
+    x = rand(gen, rows, LM_HEAD[1])
+    assert_matches(cpu_linear._BF16Tiles(weight)(x, None), x, weight)
+
+
+def test_pack_and_linear_give_the_matmul_for_every_row_count(gen):
+    """Through the public interface, whichever routines `pack` chose; leading dims are kept."""
+    weight, bias = rand(gen, 96, 64), rand(gen, 96)
+    packed = cpu_linear.pack(weight, BF16)
+    for rows in ROWS:
+        x = rand(gen, rows, 64)
+        assert_matches(cpu_linear.linear(x, packed, bias), x, weight, bias)
+    x = rand(gen, 2, 3, 64)
+    out = cpu_linear.linear(x, packed)
+    assert out.shape == (2, 3, 96)
+    assert_matches(out.flatten(0, 1), x.flatten(0, 1), weight)
+
+
+@needs_native
+def test_no_rows_give_no_rows(gen):
+    for weight in (rand(gen, 40, 64), int4_weight(40, 64, 32, gen), int8_weight(40, 64, 16, gen)):
+        packed = cpu_linear.pack(weight, BF16)
+        assert cpu_linear.linear(rand(gen, 0, 64), packed).shape == (0, 40)
+
+
+def test_fp32_weights_run_as_plain_matmul(gen):
+    weight = rand(gen, 48, 40, dtype=FP32)
+    packed = cpu_linear.pack(weight, FP32)
+    x = rand(gen, 5, 40, dtype=FP32)
+    assert torch.equal(cpu_linear.linear(x, packed), torch.nn.functional.linear(x, weight))
+
+
+@needs_native
+def test_dense_bf16_declines_other_inputs(gen):
+    routine = cpu_linear._BF16Tiles(rand(gen, 64, 32))
+    with pytest.raises(ValueError, match="bf16"):
+        routine(rand(gen, 3, 32, dtype=FP32), None)
+    with pytest.raises(ValueError, match="bf16"):
+        routine(rand(gen, 3, 31), None)
+
+
+# ----------------------------------------------------------------------------------------------- quantized
+
+# name -> (weight maker, shapes it is tested on)
+QUANT_FORMATS = {
+    "q4_1-g32": (lambda n, k, g: int4_weight(n, k, 32, g), [*MODEL_SHAPES, (45, 96)]),
+    "awq-g128": (
+        lambda n, k, g: int4_weight(n, k, 128, g, fp16=False),
+        [(3072, 1536), (576, 1536), (45, 256)],
+    ),
+    "gptq-g128-act-order": (
+        lambda n, k, g: int4_weight(n, k, 128, g, act_order=True),
+        [(576, 1536), (45, 256)],
+    ),
+    "q8_0-g32": (lambda n, k, g: int8_weight(n, k, 32, g), [*MODEL_SHAPES, (45, 96)]),
+    "q6_k-like-g16": (lambda n, k, g: int8_weight(n, k, 16, g), [(576, 576), (45, 48)]),
+    "int8-per-channel": (lambda n, k, g: int8_weight(n, k, k, g), [(576, 1536), (77, 100), (3, 7)]),
+}
+QUANT_CASES = [(name, shape) for name, (_, shapes) in QUANT_FORMATS.items() for shape in shapes]
+
+
+@needs_native
+@needs_vnni
+@pytest.mark.parametrize(("fmt", "shape"), QUANT_CASES, ids=[f"{n}-{s}" for n, s in QUANT_CASES])
+@pytest.mark.parametrize("rows", ROWS)
+def test_quantized_native_matches_the_dequantized_matmul(gen, fmt, shape, rows):
+    weight = QUANT_FORMATS[fmt][0](*shape, gen)
+    routine = cpu_linear._QuantTiles(weight)
+    dense = weight.dequantize()
+    x = rand(gen, rows, shape[1])
+    assert_matches(routine(x, None), x, dense)
+    if rows in (1, 5, 33):
+        x = rand(gen, rows, shape[1], dtype=FP32)
+        assert_matches(routine(x, None), x, dense)
+
+
+@needs_native
+@pytest.mark.parametrize("fmt", QUANT_FORMATS)
+@pytest.mark.parametrize("rows", [1, 3, 9, 33])
+@pytest.mark.parametrize("dtype", [BF16, FP32], ids=["bf16", "fp32"])
+def test_quantized_portable_matches_the_dequantized_matmul(gen, fmt, rows, dtype):
+    make, shapes = QUANT_FORMATS[fmt]
+    weight = make(*shapes[-1], gen)
+    x = rand(gen, rows, shapes[-1][1], dtype=dtype)
+    assert_matches(cpu_linear._QuantTiles(weight, portable=True)(x, None), x, weight.dequantize())
+
+
+@needs_native
+@pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
+def test_quantized_bias_strided_rows_and_two_threads(gen, portable):
+    if not portable and not cpu_linear.native_quant():
+        pytest.skip("this CPU has no AVX512-VNNI")
+    torch.set_num_threads(2)
+    weight, bias = int4_weight(200, 128, 32, gen), rand(gen, 200)
+    x = rand(gen, 7, 150)[:, 10:138]
+    assert_matches(cpu_linear._QuantTiles(weight, portable=portable)(x, bias), x, weight.dequantize(), bias)
+
+
+@needs_native
+@needs_vnni
+@pytest.mark.parametrize("rows", [1, 5, 33])
+def test_quantized_lm_head(gen, rows):
+    """The bundled model's embedding is Q8_0 and tied to the LM head."""
+    weight = int8_weight(*LM_HEAD, 32, gen)
+    x = rand(gen, rows, LM_HEAD[1])
+    assert_matches(cpu_linear._QuantTiles(weight)(x, None), x, weight.dequantize())
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [1, 33, 300])
+def test_dequantized_matmul_routine(gen, rows):
+    """What `pack` runs instead of the native kernel for many rows where that measures faster."""
+    weight = int4_weight(100, 256, 128, gen, act_order=True)
+    routine = cpu_linear._DequantizedMatmul(cpu_linear._QuantTiles(weight))
+    x = rand(gen, rows, 256)
+    assert_matches(routine(x, None), x, weight.dequantize())
+
+
+@pytest.mark.parametrize(
+    "weight",
+    [
+        lambda g: int4_weight(32, 96, 48, g),  # groups of 48 do not fill 32-column blocks
+        lambda g: int8_weight(32, 64, 8, g),
+    ],
+    ids=["int4-g48", "int8-g8"],
+)
+def test_groups_the_native_layout_cannot_hold_fall_back_to_dequantizing(gen, weight):
+    weight = weight(gen)
+    with pytest.raises(ValueError, match="not a layout"):
+        cpu_linear._QuantTiles(weight)
+    packed = cpu_linear.pack(weight, BF16, keep_rows=True)
+    assert isinstance(packed.small, cpu_linear._Dequantize)
+    x = rand(gen, 3, weight.shape[1])
+    assert_matches(cpu_linear.linear(x, packed), x, weight.dequantize())
+    ids = torch.tensor([0, 31])
+    assert torch.equal(cpu_linear.embedding(ids, packed, BF16), weight.dequantize()[ids].to(BF16))
+
+
+def test_pack_and_linear_quantized_with_bias(gen):
+    weight, bias = int4_weight(96, 128, 32, gen, act_order=True), rand(gen, 96)
+    packed = cpu_linear.pack(weight, BF16)
+    for rows in ROWS:
+        x = rand(gen, rows, 128)
+        assert_matches(cpu_linear.linear(x, packed, bias), x, weight.dequantize(), bias)
+
+
+@needs_native
+def test_quantized_declines_other_inputs(gen):
+    routine = cpu_linear._QuantTiles(int8_weight(32, 64, 32, gen))
+    with pytest.raises(ValueError, match="bf16 or fp32"):
+        routine(rand(gen, 2, 64, dtype=torch.float16), None)
+    with pytest.raises(ValueError, match="bf16 or fp32"):
+        routine(rand(gen, 2, 63), None)
+
+
+# ------------------------------------------------------------------------------------- rows and memory
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda g: rand(g, 1000, 64),
+        lambda g: rand(g, 77, 33),
+        lambda g: int8_weight(1000, 64, 32, g),
+        lambda g: int4_weight(77, 96, 32, g),
+        lambda g: int8_weight(50, 100, 100, g),
+    ],
+    ids=["bf16", "bf16-odd", "q8_0", "q4_1-odd-rows", "int8-per-channel-odd"],
+)
+@pytest.mark.parametrize("dtype", [BF16, FP32], ids=["bf16", "fp32"])
+def test_embedding_rows_are_exact(gen, make, dtype):
+    weight = make(gen)
+    packed = cpu_linear.pack(weight, BF16, keep_rows=True)
+    dense = weight if isinstance(weight, torch.Tensor) else weight.dequantize()
+    n = dense.shape[0]
+    ids = torch.tensor([[0, n - 1, 17 % n], [n // 2, 1 % n, 0]])
+    assert torch.equal(cpu_linear.embedding(ids, packed, dtype), dense[ids].to(dtype))
+    with pytest.raises(IndexError):
+        cpu_linear.embedding(torch.tensor([n]), packed, dtype)
+    with pytest.raises(IndexError):
+        cpu_linear.embedding(torch.tensor([-1]), packed, dtype)
+
+
+@needs_native
+@needs_bf16
+def test_bf16_rows_come_from_the_packed_tiles_alone(gen):
+    weight = rand(gen, 1000, 64)
+    packed = cpu_linear.pack(weight, BF16, keep_rows=True)
+    if packed.small_rows != cpu_linear._ALL:
+        pytest.skip("oneDNN runs many rows on this CPU, so pack keeps its copy too")
+    assert packed.resident == (packed.small.tiles,)
+    assert packed.nbytes == 1024 * 64 * 2  # 1000 rows padded to whole tiles of 32
+
+
+def _storage_bytes(packed: cpu_linear.PackedLinear) -> int:
+    return sum(t.untyped_storage().nbytes() for t in packed.resident if t.device.type != "meta")
+
+
+@needs_native
+@pytest.mark.parametrize(
+    ("make", "bits_per_weight"),
+    [
+        (lambda g: int4_weight(3072, 576, 32, g), 4 + 2 * 16 / 32),  # Q4_1: fp16 scale and offset per 32
+        (lambda g: int4_weight(576, 1536, 128, g, fp16=False), 4 + 2 * 32 / 128),  # fp32 when not exact
+        (lambda g: int8_weight(49152, 576, 32, g), 8 + 16 / 32),  # Q8_0
+        (lambda g: int8_weight(576, 576, 16, g), 8 + 16 / 16),
+        (lambda g: int8_weight(576, 1536, 1536, g), 8 + 16 / 1536),
+    ],
+    ids=["q4_1", "awq-fp32", "q8_0", "int8-g16", "int8-per-channel"],
+)
+def test_quantized_nbytes_is_the_formats_own_size_and_really_resident(gen, make, bits_per_weight):
+    weight = make(gen)
+    n, k = weight.shape
+    packed = cpu_linear.pack(weight, BF16, keep_rows=True)
+    assert packed.nbytes == pytest.approx(n * k * bits_per_weight / 8, abs=0.5)
+    assert packed.nbytes == _storage_bytes(packed)
+
+
+def test_act_order_nbytes_counts_the_permutation(gen):
+    weight = int4_weight(64, 256, 128, gen, act_order=True)
+    packed = cpu_linear.pack(weight, BF16)
+    assert packed.nbytes == _storage_bytes(packed)
+    assert packed.nbytes >= 64 * 256 / 2 + 256 * 4
+
+
+@needs_native
+def test_the_routine_is_chosen_when_packing_not_per_call(gen, monkeypatch):
+    weight = rand(gen, 64, 64)
+    packed = cpu_linear.pack(weight, BF16)
+    quantized = cpu_linear.pack(int8_weight(64, 64, 32, gen), BF16)
+
+    def no_timing(*args, **kwargs):
+        raise AssertionError("linear() timed a routine")
+
+    monkeypatch.setattr(cpu_linear, "best_time", no_timing)
+    for rows in ROWS:
+        cpu_linear.linear(rand(gen, rows, 64), packed)
+        cpu_linear.linear(rand(gen, rows, 64), quantized)
+
+
+FALLBACK_SCRIPT = """
+import torch
+from kernels.cpu import linear as L
+from kernels.quantized import Int4Weight, Int8Weight
+gen = torch.Generator().manual_seed(0)
+w = torch.randn(96, 64, generator=gen).bfloat16()
+p = L.pack(w, torch.bfloat16, keep_rows=True)
+q4 = Int4Weight(torch.randint(0, 16, (40, 64), generator=gen, dtype=torch.uint8),
+                torch.rand(40, 2, generator=gen) / 8, torch.rand(40, 2, generator=gen) - 1, 32)
+q8 = Int8Weight(torch.randint(-128, 128, (40, 64), generator=gen, dtype=torch.int8),
+                torch.rand(40, 2, generator=gen) / 64, 32)
+for rows in (1, 5, 33):
+    x = torch.randn(rows, 64, generator=gen).bfloat16()
+    assert torch.equal(L.linear(x, p), torch.nn.functional.linear(x, w)), "dense"
+    for q in (q4, q8):
+        packed = L.pack(q, torch.bfloat16, keep_rows=True)
+        assert type(packed.small).__name__ == "_Dequantize"
+        expected = torch.nn.functional.linear(x, q.dequantize().bfloat16())
+        assert torch.equal(L.linear(x, packed), expected), "quantized"
+        row = L.embedding(torch.tensor([3]), packed, torch.bfloat16)
+        assert torch.equal(row, q.dequantize()[3:4].bfloat16())
+assert torch.equal(L.embedding(torch.tensor([5, 0]), p, torch.bfloat16), w[[5, 0]])
+print(type(p.small).__name__)
+"""
+
+
+def test_without_native_kernels_everything_runs_in_pytorch():
+    """LLMSERVE_CPU_KERNELS=0: oneDNN (or F.linear) for dense weights, dequantize-then-matmul for
+    quantized ones (a fresh process: the library's availability is decided once per process)."""
+    env = {**os.environ, "LLMSERVE_CPU_KERNELS": "0"}
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(FALLBACK_SCRIPT)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert result.returncode == 0, result.stderr
+    expected = "_OneDNN" if cpu_linear.prepacking_works(BF16) else "_Plain"
+    assert result.stdout.strip() == expected
