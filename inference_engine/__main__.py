@@ -1,6 +1,7 @@
 """Command line: `python -m inference_engine serve|supervise|redis ...`.
 
     serve      one engine process serving one model on the Redis bus (flags mirror vLLM's)
+    worker     the tensor-parallel ranks of a second (third, ...) machine, for a `serve` on the first
     supervise  hot-loads / unloads models (one `serve` child per model) on control messages
     redis      start the project's own redis-server and print its URL (for a zero-setup demo)
 
@@ -20,6 +21,7 @@ from typing import Any
 
 from inference_engine.bus import protocol as P
 from inference_engine.bus.redis_server import RedisServer, ensure_redis_url
+from inference_engine.errors import InvalidRequestError
 
 ENGINE_FLAGS: list[tuple[str, type]] = [
     ("--max-num-seqs", int),
@@ -41,6 +43,9 @@ ENGINE_FLAGS: list[tuple[str, type]] = [
     ("--download-dir", str),
     ("--gguf-file", str),
     ("--tensor-parallel-size", int),
+    ("--master-addr", str),
+    ("--master-port", int),
+    ("--nnodes", int),
     ("--speculative-config", json.loads),  # JSON, as vLLM's flag
 ]
 
@@ -99,6 +104,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_flags(supervise)  # defaults for every engine it starts; a load message's engine_args win
     _add_bus_flags(supervise)
 
+    worker = commands.add_parser(
+        "worker", help="the tensor-parallel ranks of another machine (rank 0's machine runs `serve`)"
+    )
+    worker.add_argument("--model", help="the same model `serve` was given")
+    worker.add_argument("--node-rank", type=int, required=True, help="this machine's index, 1 .. nnodes-1")
+    worker.add_argument("--log-level", default="INFO")
+    _add_engine_flags(worker)
+
     redis = commands.add_parser(
         "redis", help="run a private redis-server until interrupted (or until it dies)"
     )
@@ -144,8 +157,13 @@ def serve(args: argparse.Namespace) -> None:
         shutdown_grace=args.shutdown_grace,
     )
     server = EngineServer(engine, url, args.served_model_name, settings)
+    if engine.workers is not None:  # a tensor-parallel rank that dies ends the replica
+        engine.workers.on_failure = lambda reason: server.stop()
     print(f"serving {server.model!r} as replica {server.replica_id} on {url}", file=sys.stderr, flush=True)
-    _run_until_signal(server.stop, server.run)
+    try:
+        _run_until_signal(server.stop, server.run)
+    finally:
+        engine.shutdown()
 
 
 def supervise(args: argparse.Namespace) -> None:
@@ -162,6 +180,30 @@ def supervise(args: argparse.Namespace) -> None:
         supervisor.load(args.served_model_name or "default", args.model, {})
     print(f"supervisor {args.name!r} on {url}", file=sys.stderr, flush=True)
     _run_until_signal(supervisor.stop, supervisor.run)
+
+
+def worker(args: argparse.Namespace) -> None:
+    """Runs this machine's ranks until they end (rank 0's engine stops them, or one dies)."""
+    from inference_engine.config import EngineConfig
+    from inference_engine.tp_workers import start_node_workers
+
+    try:
+        config = EngineConfig(model=args.model, **_engine_options(args))
+    except InvalidRequestError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    if not 0 < args.node_rank < config.nnodes:
+        raise SystemExit(f"--node-rank must be in 1 .. {config.nnodes - 1} (--nnodes {config.nnodes}).")
+    processes = start_node_workers(config, args.node_rank)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(0.5) and all(p.is_alive() for p in processes):
+        pass
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+        process.join()
+    sys.exit(0 if stop.is_set() or all(p.exitcode == 0 for p in processes) else 1)
 
 
 def redis_only(port: int | None) -> int:
@@ -190,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    {"serve": serve, "supervise": supervise}[args.command](args)
+    {"serve": serve, "supervise": supervise, "worker": worker}[args.command](args)
 
 
 if __name__ == "__main__":
