@@ -1,0 +1,261 @@
+"""One user at a time: time per output token at batch 1, 2, 4 and 8 and time to first token, our engine and
+llama.cpp's server taking turns on the same bf16 GGUF file (the bundled model's weights, dequantized once).
+
+    .venv/bin/python -m benchmarks.latency [--threads 2] [--repeats 3] [--quantized]
+
+Both sides generate 128 tokens per request (ignore_eos, greedy). Time per output token is the time from a
+request's first token to its last over 127; time to first token is measured for a 30-token and a
+1,000-token prompt, offline (in-process `LLM`) and through the whole HTTP stack (daphne, bus, engine: a
+streamed `/v1/completions`) against llama.cpp's streamed `/completion`. The weights floor is the time to
+read the model's weights once at the bandwidth measured in the same run. `--quantized` runs both sides on
+the bundled Q4_1 file instead. JSON and a PNG plot under benchmarks/results/; where llama.cpp cannot be
+built that half is skipped with a message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from benchmarks.offline_throughput import measure_read_bandwidth
+from inference_engine import LLM, SamplingParams
+from inference_engine.model_loader import default_model_path
+
+BATCHES = (1, 2, 4, 8)
+TOKENS = 128
+_SENTENCE = "The committee reviewed the proposal and asked for a revised budget before the next meeting. "
+
+
+def bf16_gguf(path: Path) -> Path:
+    """The bundled model with every quantized tensor stored as bf16 (metadata and tokenizer copied)."""
+    import gguf
+
+    if path.exists():
+        return path
+    reader = gguf.GGUFReader(str(default_model_path()))
+    writer = gguf.GGUFWriter(str(path), arch=reader.fields["general.architecture"].contents())
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name in ("general.architecture", "general.file_type"):
+            continue
+        sub_type = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, field.contents(), field.types[0], sub_type)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_BF16)
+    for tensor in reader.tensors:
+        shape = [int(d) for d in reversed(tensor.shape)]
+        values = gguf.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+        if tensor.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            writer.add_tensor(tensor.name, values.astype(np.float32))
+            continue
+        bits = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).to(torch.bfloat16)
+        writer.add_tensor(
+            tensor.name, bits.view(torch.int16).numpy(), raw_dtype=gguf.GGMLQuantizationType.BF16
+        )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def prompt_of(tokens: int, tokenizer) -> str:
+    text = _SENTENCE * (tokens // 10 + 1)
+    return tokenizer.decode(tokenizer.encode(text)[:tokens])
+
+
+# ------------------------------------------------------------------------------------------- our engine
+
+
+def engine_tpot(llm: LLM, batch: int) -> float:
+    prompts = [f"{i}. " + _SENTENCE for i in range(batch)]
+    outputs = llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True), use_tqdm=False
+    )
+    return statistics.mean(
+        (o.metrics.finished_time - o.metrics.first_token_time) / (TOKENS - 1) for o in outputs
+    )
+
+
+def engine_ttft(llm: LLM, prompt: str) -> float:
+    llm.reset_prefix_cache()
+    output = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0]
+    return output.metrics.first_token_time - output.metrics.arrival_time
+
+
+def http_ttft(url: str, body: dict, headers: dict) -> float:
+    """Seconds from sending a streamed completion to its first token's bytes."""
+    request = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json", **headers}
+    )
+    start = time.perf_counter()
+    with urllib.request.urlopen(request, timeout=600) as reply:
+        for line in reply:
+            if line.startswith(b"data:"):  # the first streamed chunk carries the first token
+                first = time.perf_counter() - start
+                break
+        else:
+            raise RuntimeError("no token streamed")
+        for _ in reply:  # drain
+            pass
+    return first
+
+
+# ------------------------------------------------------------------------------------------- llama.cpp
+
+
+def llamacpp_tpot(server, batch: int) -> float:
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = [f"{i}. " + _SENTENCE for i in range(batch)]
+    with ThreadPoolExecutor(batch) as pool:
+        answers = list(pool.map(lambda p: server.complete(p, TOKENS), prompts))
+    return statistics.mean(a["timings"]["predicted_per_token_ms"] / 1000 for a in answers)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quantized", action="store_true", help="both sides on the bundled Q4_1 file")
+    parser.add_argument("--skip-http", action="store_true")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    args.out.mkdir(parents=True, exist_ok=True)
+    cache = Path.home() / ".cache" / "llmserve"
+    model = default_model_path() if args.quantized else bf16_gguf(cache / "SmolLM2-135M-Instruct.BF16.gguf")
+    label = "q4_1" if args.quantized else "bf16"
+
+    llm = LLM(model=str(model), dtype="bfloat16", max_num_seqs=8, max_model_len=2048, log_stats_interval=0)
+    weights = llm.llm_engine.runner.weight_bytes
+    bandwidth = measure_read_bandwidth(torch.device("cpu"))
+    tokenizer = llm.get_tokenizer()
+    prompts = {n: prompt_of(n, tokenizer) for n in (30, 1000)}
+    result: dict = {
+        "model": label,
+        "threads": args.threads,
+        "weights_bytes": weights,
+        "read_bandwidth_gbs": bandwidth / 1e9,
+        "weights_floor_ms": 1000 * weights / bandwidth,
+        "ours": {"tpot_ms": {}, "ttft_offline_ms": {}, "ttft_http_ms": {}},
+        "llamacpp": {"tpot_ms": {}, "ttft_http_ms": {}},
+    }
+    try:
+        from benchmarks.llamacpp import LlamaCppUnavailable, LlamaServer
+
+        server = LlamaServer(model, parallel=8, threads=args.threads).__enter__()
+    except (ImportError, LlamaCppUnavailable) as exc:
+        print(f"llama.cpp half skipped: {exc}", flush=True)
+        server, result["llamacpp"] = None, {"skipped": str(exc)}
+    try:
+        llm.generate(["warm up"], SamplingParams(max_tokens=8), use_tqdm=False)
+        for batch in BATCHES:  # alternating, best of the repeats for each side
+            ours, theirs = [], []
+            for _ in range(args.repeats):
+                ours.append(engine_tpot(llm, batch))
+                if server is not None:
+                    theirs.append(llamacpp_tpot(server, batch))
+            result["ours"]["tpot_ms"][batch] = 1000 * min(ours)
+            if server is not None:
+                result["llamacpp"]["tpot_ms"][batch] = 1000 * min(theirs)
+            print(
+                f"batch {batch}: ours {1000 * min(ours):.2f} ms/token"
+                + (f", llama.cpp {1000 * min(theirs):.2f}" if theirs else ""),
+                flush=True,
+            )
+        for n, prompt in prompts.items():
+            result["ours"]["ttft_offline_ms"][n] = 1000 * min(
+                engine_ttft(llm, prompt) for _ in range(args.repeats)
+            )
+        llm.llm_engine.shutdown()
+        del llm
+        if not args.skip_http:
+            result["ours"]["ttft_http_ms"] = http_ttfts(model, args, prompts, server, result)
+    finally:
+        if server is not None:
+            server.__exit__(None, None, None)
+    (args.out / f"latency_{label}.json").write_text(json.dumps(result, indent=2))
+    plot(result, args.out / f"latency_{label}.png")
+    print(json.dumps(result, indent=2))
+
+
+def http_ttfts(model: Path, args, prompts: dict[int, str], server, result: dict) -> dict:
+    """Through daphne, the bus and an engine process, against llama.cpp's server, taking turns."""
+    from tests.web.stack import Stack
+
+    flags = [
+        "--model",
+        str(model),
+        "--dtype",
+        "bfloat16",
+        "--threads",
+        str(args.threads),
+        "--max-num-seqs",
+        "8",
+    ]
+    flags += ["--max-model-len", "2048", "--log-level", "WARNING"]
+    stack = Stack(model="bench", engine_flags=flags).start()
+    ours: dict[int, float] = {}
+    try:
+        headers = {"Authorization": f"Bearer {stack.api_key}"}
+        url = f"{stack.base_url}/v1/completions"
+        for n, prompt in prompts.items():
+            body = {"model": "bench", "prompt": prompt, "max_tokens": 4, "stream": True, "temperature": 0}
+            times, theirs = [], []
+            for i in range(args.repeats + 1):  # the first of each side warms up
+                times.append(http_ttft(url, {**body, "prompt": f"{i} {prompt}"}, headers))
+                if server is not None:
+                    llama_body = {
+                        "prompt": f"{i} {prompt}",
+                        "n_predict": 4,
+                        "stream": True,
+                        "cache_prompt": False,
+                    }
+                    theirs.append(http_ttft(f"{server.url}/completion", llama_body, {}))
+            ours[n] = 1000 * min(times[1:])
+            if server is not None:
+                result["llamacpp"]["ttft_http_ms"][n] = 1000 * min(theirs[1:])
+    finally:
+        stack.stop()
+    return ours
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, style in (("ours", "o-"), ("llamacpp", "s--")):
+        tpot = result[name].get("tpot_ms") or {}
+        if tpot:
+            left.plot(list(map(int, tpot)), list(tpot.values()), style, label=name)
+    left.axhline(result["weights_floor_ms"], color="grey", linestyle=":", label="weights read once")
+    left.set(
+        xlabel="batch",
+        ylabel="ms per output token",
+        title=f"Decode ({result['model']}, {result['threads']} threads)",
+    )
+    left.legend()
+    labels, values = [], []
+    for name in ("ours", "llamacpp"):
+        for kind in ("ttft_offline_ms", "ttft_http_ms"):
+            for n, ms in (result[name].get(kind) or {}).items():
+                labels.append(f"{name}\n{kind[5:-3]} {n}")
+                values.append(ms)
+    right.bar(range(len(values)), values)
+    right.set_xticks(range(len(values)), labels, fontsize=7)
+    right.set(ylabel="ms to first token", title="Time to first token (30 / 1,000-token prompts)")
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+if __name__ == "__main__":
+    main()
