@@ -1,0 +1,119 @@
+"""N-gram speculative decoding on a summarisation workload: tokens/s with and without it, by batch size.
+
+    .venv/bin/python -m benchmarks.speculative [--batches 1 2 4 8] [--threads 2] [--repeats 2]
+
+Documents of 300-600 tokens, summaries of 96 tokens, greedy (the outputs of both runs are compared: they
+must be identical). The two engines take turns on each batch size; the acceptance rate and the ratio per
+batch size say where speculation stops paying. JSON and a PNG plot under benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from inference_engine import LLM, SamplingParams
+
+SUMMARY_TOKENS = 96
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+_FACTS = [
+    "The plant in Leeds produced {n} tonnes of steel in the third quarter, up from {m} a year earlier.",
+    "Its new furnace, commissioned in {y}, cut energy use per tonne by {p} percent.",
+    "The company employs {n} people at the site and plans to hire {m} apprentices next year.",
+    "Orders from the automotive sector fell by {p} percent, while construction orders rose.",
+    "The board approved an investment of {n} million pounds in a rolling mill to open in {y}.",
+    "Union representatives said the night shift will keep its current pay and hours.",
+    "Exports to the Netherlands and Germany made up {p} percent of sales in the quarter.",
+    "The chief executive, Maria Okafor, said margins would recover once energy prices settle.",
+]
+
+
+def documents(count: int, tokenizer, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    docs = []
+    for i in range(count):
+        target = rng.randint(300, 600)
+        sentences = []
+        while len(tokenizer.encode(" ".join(sentences))) < target:
+            fact = rng.choice(_FACTS)
+            numbers = {"n": rng.randint(100, 9000), "m": rng.randint(10, 900), "y": rng.randint(2019, 2027)}
+            sentences.append(fact.format(p=rng.randint(2, 40), **numbers))
+        docs.append(f"Report {i}:\n{' '.join(sentences)}\n\nSummarise the report, quoting its figures:")
+    return docs
+
+
+def run(llm: LLM, prompts: list[str], batch: int) -> tuple[float, list[list[int]]]:
+    """Tokens/s of the prompts run `batch` at a time, and their outputs."""
+    params = SamplingParams(temperature=0, max_tokens=SUMMARY_TOKENS, ignore_eos=True)
+    outputs, tokens, start = [], 0, time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        for out in llm.generate(prompts[i : i + batch], params, use_tqdm=False):
+            outputs.append(out.outputs[0].token_ids)
+            tokens += len(out.outputs[0].token_ids)
+    return tokens / (time.perf_counter() - start), outputs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--documents", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--quantization", default=None, help="our engine's (default: as the model declares)")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    common = {"dtype": args.dtype, "quantization": args.quantization, "max_num_seqs": max(args.batches)}
+    plain, spec = LLM(**common), LLM(**common, speculative_config=NGRAM)
+    prompts = documents(max(args.documents, max(args.batches)), plain.get_tokenizer())
+    plain.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)
+    spec.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)
+    result = {"threads": args.threads, "dtype": args.dtype, "speculative_config": NGRAM, "batches": {}}
+    for batch in args.batches:
+        proposer = spec.llm_engine.proposer
+        drafted, accepted = proposer.num_draft_tokens, proposer.num_accepted_tokens
+        best = {"plain": 0.0, "ngram": 0.0}
+        for _ in range(args.repeats):
+            rate, expected = run(plain, prompts, batch)
+            best["plain"] = max(best["plain"], rate)
+            rate, got = run(spec, prompts, batch)
+            best["ngram"] = max(best["ngram"], rate)
+            assert got == expected, "speculation changed greedy outputs"
+        drafted, accepted = proposer.num_draft_tokens - drafted, proposer.num_accepted_tokens - accepted
+        result["batches"][batch] = {
+            "plain_tokens_per_s": best["plain"],
+            "ngram_tokens_per_s": best["ngram"],
+            "speedup": best["ngram"] / best["plain"],
+            "acceptance_rate": accepted / max(drafted, 1),
+        }
+        print(batch, json.dumps(result["batches"][batch]), flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "speculative.json").write_text(json.dumps(result, indent=2))
+    plot(result, args.out / "speculative.png")
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = list(result["batches"])
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, label in (("plain_tokens_per_s", "without speculation"), ("ngram_tokens_per_s", "n-gram, k=4")):
+        ax.plot(batches, [result["batches"][b][key] for b in batches], "o-", label=label)
+    ax.set(xlabel="batch size", ylabel="output tokens/s", title="Summaries of 300-600-token reports")
+    ax.set_xscale("log", base=2)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+if __name__ == "__main__":
+    main()
