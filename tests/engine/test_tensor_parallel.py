@@ -93,3 +93,32 @@ def test_a_dead_rank_stops_the_engine(split_model):
     with pytest.raises(TensorParallelError):
         sharded.generate(["Hello"], greedy(4), use_tqdm=False)
     assert not worker.is_alive()
+
+
+def test_swap_samples_logprobs_and_abort_under_tensor_parallelism(split_model):
+    """Swapped-out KV on every rank, n > 1 samples sharing blocks, logprobs and an abort mid-generation."""
+    from inference_engine import SamplingParams
+
+    # One rank's block: 2 x 4 layers x 16 tokens x 1 KV head x 72 x 4 bytes; too few for 8 sequences at once.
+    block = 2 * 4 * 16 * 72 * 4
+    kwargs = {"dtype": "float32", "kv_cache_memory_bytes": 12 * block, "swap_space": 40 * block / 2**30}
+    whole = LLM(model=split_model, **kwargs)
+    sharded = LLM(model=split_model, tensor_parallel_size=2, **kwargs)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=24, n=2, logprobs=2, ignore_eos=True)
+        want = whole.generate(PROMPTS[:4], params, use_tqdm=False)
+        got = sharded.generate(PROMPTS[:4], params, use_tqdm=False)
+        for a, b in zip(got, want, strict=True):
+            assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+            for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+                assert x.keys() == y.keys()
+                assert all(abs(x[t].logprob - y[t].logprob) < 1e-3 for t in x)
+        assert sharded.llm_engine.scheduler.num_preemptions > 0
+        engine = sharded.llm_engine
+        engine.add_request("gone", PROMPTS[0], greedy(64))
+        for _ in range(3):
+            engine.step()
+        engine.abort_request("gone")
+        assert_all_blocks_free(sharded)
+    finally:
+        sharded.llm_engine.shutdown()
