@@ -183,6 +183,7 @@ class ModelRunner:
             # Which attention path prompt chunks take is timed now, not in the first long prompt's step.
             attn, threads = self.model.model.layers[0].self_attn, torch.get_num_threads()
             native_query_max(attn.num_heads, attn.num_kv_heads, attn.head_dim, self.dtype, threads)
+            self.model.model.use_native_decoder()
         max_blocks = min(-(-loaded.config.max_position_embeddings // self.block_size), self.num_blocks)
         self.inputs = StepInputs(
             max(config.max_num_batched_tokens, config.max_num_seqs),

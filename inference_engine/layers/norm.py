@@ -37,7 +37,11 @@ class RMSNorm(nn.Module):
                 return fused
             x = x + residual
             residual = x
+        else:
+            normed = cpu_fused.rms_norm(x, self.weight, self.eps)
+            if normed is not None:
+                return normed
         # One op instead of seven small ones, fp32 inside. Identical to transformers' LlamaRMSNorm in fp32;
-        # in bf16 it rounds once where transformers rounds twice (the native kernel above rounds twice).
+        # in bf16 it rounds once where transformers rounds twice (the native kernels above round twice).
         out = F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         return out if residual is None else (out, residual)

@@ -7,13 +7,14 @@ Inputs are flattened: all tokens of all sequences in the step form one [num_toke
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from inference_engine.attention import AttentionMetadata
+from inference_engine.attention.torch_backend import NATIVE_QUERY_MIN
 from inference_engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from inference_engine.layers.linear import (
     LinearBase,
@@ -25,6 +26,10 @@ from inference_engine.layers.linear import (
 from inference_engine.layers.norm import RMSNorm, triton_fused
 from inference_engine.layers.rotary import RotaryEmbedding
 from inference_engine.model_loader import ModelConfig
+from kernels.cpu import fused as cpu_fused
+
+if TYPE_CHECKING:
+    from kernels.cpu.decoder import NativeDecoder
 
 
 class LlamaAttention(nn.Module):
@@ -68,6 +73,9 @@ class LlamaMLP(nn.Module):
         gate_up = self.gate_up_proj(x)
         if self.triton is not None:
             return self.down_proj(self.triton.silu_and_mul(gate_up))
+        act = cpu_fused.silu_mul(gate_up)  # bf16 on the CPU, as the native decoder computes it
+        if act is not None:
+            return self.down_proj(act)
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))
 
@@ -102,11 +110,65 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, rotary, backend) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.config = config
+        self.native: NativeDecoder | None = None
+
+    def use_native_decoder(self) -> bool:
+        """Runs steps of up to a few tokens through `kernels.cpu.decoder` from now on, where this model can
+        (bf16 on the CPU, unsharded, every linear layer one weight on a native kernel); False otherwise."""
+        from kernels.cpu import available, decoder
+
+        attn = self.layers[0].self_attn
+        linears = [
+            linear
+            for layer in self.layers
+            for linear in (
+                layer.self_attn.qkv_proj,
+                layer.self_attn.o_proj,
+                layer.mlp.gate_up_proj,
+                layer.mlp.down_proj,
+            )
+        ]
+        rows = min(decoder.native_rows(m.packed[0]) if len(m.packed) == 1 else 0 for m in linears)
+        if (
+            rows < 1
+            or attn.k_cache.device.type != "cpu"
+            or attn.k_cache.dtype != torch.bfloat16
+            or attn.qkv_proj.tp_size != 1
+            or not available()
+        ):
+            return False
+        self.native = decoder.NativeDecoder(
+            [
+                decoder.DecoderLayer(
+                    layer.input_layernorm.weight,
+                    layer.post_attention_layernorm.weight,
+                    layer.self_attn.qkv_proj.packed[0],
+                    layer.self_attn.qkv_proj.bias,
+                    layer.self_attn.o_proj.packed[0],
+                    layer.mlp.gate_up_proj.packed[0],
+                    layer.mlp.down_proj.packed[0],
+                    layer.self_attn.k_cache,
+                    layer.self_attn.v_cache,
+                )
+                for layer in self.layers
+            ],
+            heads=attn.num_heads,
+            head_dim=attn.head_dim,
+            eps=self.config.rms_norm_eps,
+            cos=attn.rotary.cos,
+            sin=attn.rotary.sin,
+            final_norm=self.norm.weight,
+            max_rows=min(rows, NATIVE_QUERY_MIN),
+        )
+        return True
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
+        if self.native is not None and len(input_ids) <= self.native.max_rows:
+            return self.native.forward(hidden.contiguous(), positions, meta.slot_mapping, *meta.per_token())
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, meta)
         hidden, _ = self.norm(hidden, residual)

@@ -61,3 +61,26 @@ def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: to
         torch.get_num_threads(),
     )
     return True
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """weight * rmsnorm(x) for bf16 rows, rounded as `add_rms_norm` rounds, or None where it can't run."""
+    fn = function("rms_norm_bf16", None, ptr, ptr, ptr, i32, i32, f32)
+    if fn is None or not _bf16_rows(x, weight):
+        return None
+    out = torch.empty_like(x)
+    hidden = x.shape[-1]
+    fn(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // hidden, hidden, eps)
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up of bf16 rows [..., 2 * width] (gate first), rounded as F.silu(gate).mul_(up), or
+    None where it can't run."""
+    fn = function("silu_mul_bf16", None, ptr, ptr, i32, i32)
+    if fn is None or not _bf16_rows(gate_up) or gate_up.shape[-1] % 2:
+        return None
+    width = gate_up.shape[-1] // 2
+    out = gate_up.new_empty(*gate_up.shape[:-1], width)
+    fn(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * width), width)
+    return out

@@ -1,0 +1,132 @@
+/* A Llama-family decoder's forward pass for a few tokens (decode steps, speculative drafts), bf16, all layers
+ * in one call.
+ *
+ * At batch 1 a decode step reads every weight once; the arithmetic is the kernels' (linear_bf16.c,
+ * linear_quant.c, paged_decode.c, fused_ops.c, kv_store.c). What one call saves is the interpreter: a step
+ * through Python is some 300 calls, each converting its arguments and allocating its output, about as long
+ * as the attention itself. Here each layer is the same sequence of the same kernels the Python path calls,
+ * in the same order, on buffers allocated once, so both paths give the same bits.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "bf16.h"
+
+struct bf16_weight;
+struct qweight;
+void linear_bf16(const struct bf16_weight *w, const uint16_t *x, long ldx, int m, const uint16_t *bias,
+                 uint16_t *out, int num_threads);
+int linear_quant(const struct qweight *w, const void *x, long ldx, int m, int is_bf16, const void *bias, void *out,
+                 int num_threads);
+void add_rms_norm_bf16(const uint16_t *x, const uint16_t *residual, uint16_t *sum_out, const uint16_t *weight,
+                       uint16_t *out, int rows, int hidden, float eps, int num_threads);
+void rotary_bf16(uint16_t *x, long row_stride, const int64_t *positions, const float *cos, const float *sin,
+                 int tokens, int heads, int head_dim, int num_threads);
+int store_kv(const char *k, long k_stride, const char *v, long v_stride, char *k_cache, char *v_cache,
+             const int64_t *slots, int tokens, long num_slots, int row_bytes);
+int paged_decode(const void *q, long q_stride, const void *k_cache, const void *v_cache, const int32_t *block_tables,
+                 int max_blocks, const int32_t *seq_lens, void *out, int batch, int heads, int kv_heads, int head_dim,
+                 int block_size, int is_bf16, float scale, int num_threads);
+
+enum { LINEAR_BF16 = 1, LINEAR_QUANT = 2 };
+
+struct linear_op {
+    int kind;
+    const void *weight; /* struct bf16_weight * or struct qweight * */
+    const uint16_t *bias;
+    int out_features;
+};
+
+struct decoder_layer {
+    const uint16_t *input_norm, *post_norm;
+    struct linear_op qkv, o, gate_up, down;
+    uint16_t *k_cache, *v_cache;
+};
+
+struct decoder {
+    int num_layers, hidden, heads, kv_heads, head_dim, intermediate, block_size;
+    long num_slots;
+    float eps, scale;
+    const float *cos, *sin;
+    const uint16_t *final_norm;
+    const struct decoder_layer *layers;
+};
+
+static int linear(const struct linear_op *op, const uint16_t *x, long ldx, int m, uint16_t *out, int threads) {
+    if (op->kind == LINEAR_BF16) {
+        linear_bf16(op->weight, x, ldx, m, op->bias, out, threads);
+        return 0;
+    }
+    return linear_quant(op->weight, x, ldx, m, 1, op->bias, out, threads);
+}
+
+/* out <- weight * rmsnorm(x), rounded as add_rms_norm_bf16 rounds (the first layer has no residual yet). */
+void rms_norm_bf16(const uint16_t *x, const uint16_t *weight, uint16_t *out, int rows, int hidden, float eps) {
+    for (int r = 0; r < rows; r++) {
+        const uint16_t *xr = x + (long)r * hidden;
+        uint16_t *o = out + (long)r * hidden;
+        float sum = 0.f;
+        for (int i = 0; i < hidden; i++) {
+            float h = bf16_to_float(xr[i]);
+            sum += h * h;
+        }
+        float inv = 1.f / sqrtf(sum / hidden + eps);
+        for (int i = 0; i < hidden; i++) {
+            float normed = bf16_to_float(float_to_bf16(bf16_to_float(xr[i]) * inv));
+            o[i] = float_to_bf16(normed * bf16_to_float(weight[i]));
+        }
+    }
+}
+
+/* out [rows, width] <- silu(gate) * up of gate_up [rows, 2 * width], each product of bf16 values rounded as
+ * PyTorch rounds F.silu(gate).mul_(up): the SiLU to bf16, then the product. */
+void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int rows, int width) {
+    for (int r = 0; r < rows; r++) {
+        const uint16_t *g = gate_up + (long)r * 2 * width, *u = g + width;
+        uint16_t *o = out + (long)r * width;
+        for (int i = 0; i < width; i++) {
+            float x = bf16_to_float(g[i]);
+            float silu = bf16_to_float(float_to_bf16(x / (1.f + expf(-x))));
+            o[i] = float_to_bf16(silu * bf16_to_float(u[i]));
+        }
+    }
+}
+
+/* hidden [m, H]: the tokens' embeddings in, the final norm of the last layer's output out. Token t is at
+ * positions[t], stored to slots[t], and attends over the first lens[t] cached tokens of its sequence
+ * (tables: [m, max_blocks]). Scratch: residual [m, H], normed [m, H], qkv [m, (heads + 2 kv_heads) D],
+ * attn [m, heads D], gate_up [m, 2 I], act [m, I]. Returns 0, or the first failing kernel's status. */
+int decoder_forward(const struct decoder *d, uint16_t *hidden, int m, const int64_t *positions, const int64_t *slots,
+                    const int32_t *tables, int max_blocks, const int32_t *lens, uint16_t *residual, uint16_t *normed,
+                    uint16_t *qkv, uint16_t *attn, uint16_t *gate_up, uint16_t *act, int threads) {
+    int H = d->hidden, D = d->head_dim, q_width = d->heads * D, kv_width = d->kv_heads * D;
+    long qkv_row = q_width + 2L * kv_width;
+    for (int l = 0; l < d->num_layers; l++) {
+        const struct decoder_layer *layer = &d->layers[l];
+        if (l == 0) {
+            memcpy(residual, hidden, sizeof(uint16_t) * m * H);
+            rms_norm_bf16(hidden, layer->input_norm, normed, m, H, d->eps);
+        } else {
+            add_rms_norm_bf16(hidden, residual, residual, layer->input_norm, normed, m, H, d->eps, threads);
+        }
+        int status = linear(&layer->qkv, normed, H, m, qkv, threads);
+        if (status) return status;
+        rotary_bf16(qkv, qkv_row, positions, d->cos, d->sin, m, d->heads + d->kv_heads, D, threads);
+        status = store_kv((const char *)(qkv + q_width), qkv_row * 2, (const char *)(qkv + q_width + kv_width),
+                          qkv_row * 2, (char *)layer->k_cache, (char *)layer->v_cache, slots, m, d->num_slots,
+                          kv_width * 2);
+        if (status) return status;
+        status = paged_decode(qkv, qkv_row, layer->k_cache, layer->v_cache, tables, max_blocks, lens, attn, m,
+                              d->heads, d->kv_heads, D, d->block_size, 1, d->scale, threads);
+        if (status) return status;
+        if ((status = linear(&layer->o, attn, q_width, m, hidden, threads))) return status;
+        add_rms_norm_bf16(hidden, residual, residual, layer->post_norm, normed, m, H, d->eps, threads);
+        if ((status = linear(&layer->gate_up, normed, H, m, gate_up, threads))) return status;
+        silu_mul_bf16(gate_up, act, m, d->intermediate);
+        if ((status = linear(&layer->down, act, d->intermediate, m, hidden, threads))) return status;
+    }
+    add_rms_norm_bf16(hidden, residual, residual, d->final_norm, normed, m, H, d->eps, threads);
+    memcpy(hidden, normed, sizeof(uint16_t) * m * H);
+    return 0;
+}

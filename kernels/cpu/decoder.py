@@ -1,0 +1,187 @@
+"""A Llama-family decoder's forward pass for a few bf16 tokens in one native call (`csrc/decoder.c`).
+
+Decode steps and speculative verification run a handful of tokens through every layer; through Python that
+is some 300 calls a step, each converting arguments and allocating outputs, which at batch 1 cost as much
+as the attention. `NativeDecoder` describes the model once (packed weights, norms, caches, rotary tables),
+allocates its scratch once, and runs all layers in one call, through the same kernels in the same order as
+the layer-by-layer path, so both give the same bits.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from kernels.cpu._build import function, i32, ptr
+from kernels.cpu.linear import PackedLinear, _BF16Tiles, _QuantTiles
+
+BF16 = torch.bfloat16
+_KINDS = {_BF16Tiles: 1, _QuantTiles: 2}
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [
+        ("kind", ctypes.c_int),
+        ("weight", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p),
+        ("out", ctypes.c_int),
+    ]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("input_norm", ctypes.c_void_p),
+        ("post_norm", ctypes.c_void_p),
+        ("qkv", _Linear),
+        ("o", _Linear),
+        ("gate_up", _Linear),
+        ("down", _Linear),
+        ("k_cache", ctypes.c_void_p),
+        ("v_cache", ctypes.c_void_p),
+    ]
+
+
+class _Decoder(ctypes.Structure):
+    _fields_ = [
+        *(
+            (name, ctypes.c_int)
+            for name in ("layers", "hidden", "heads", "kv_heads", "head_dim", "inter", "bs")
+        ),
+        ("num_slots", ctypes.c_long),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        ("cos", ctypes.c_void_p),
+        ("sin", ctypes.c_void_p),
+        ("final_norm", ctypes.c_void_p),
+        ("layer", ctypes.POINTER(_Layer)),
+    ]
+
+
+@dataclass
+class DecoderLayer:
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: PackedLinear
+    qkv_bias: torch.Tensor | None
+    o: PackedLinear
+    gate_up: PackedLinear
+    down: PackedLinear
+    k_cache: torch.Tensor  # [blocks, block_size, kv_heads, head_dim]
+    v_cache: torch.Tensor
+
+
+def native_rows(packed: PackedLinear) -> int:
+    """How many rows this weight's native routine serves (0: none, or not as the decoder passes them)."""
+    routine = packed.small
+    if type(routine) not in _KINDS or getattr(routine, "k_even", None) not in (None, packed.in_features):
+        return 0
+    return int(min(packed.small_rows, 1 << 16))
+
+
+class NativeDecoder:
+    def __init__(
+        self,
+        layers: list[DecoderLayer],
+        *,
+        heads: int,
+        head_dim: int,
+        eps: float,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        final_norm: torch.Tensor,
+        max_rows: int,
+    ) -> None:
+        first = layers[0]
+        self.hidden, self.kv_heads = first.input_norm.shape[0], first.k_cache.shape[2]
+        self.heads, self.head_dim, self.max_rows = heads, head_dim, max_rows
+        self.intermediate = first.down.in_features
+        self._keep = [
+            cos,
+            sin,
+            final_norm,
+            *(t for layer in layers for t in (layer.input_norm, layer.post_norm)),
+        ]
+        self._layers = (_Layer * len(layers))(*(self._layer(layer) for layer in layers))
+        self.desc = _Decoder(
+            len(layers),
+            self.hidden,
+            heads,
+            self.kv_heads,
+            head_dim,
+            self.intermediate,
+            first.k_cache.shape[1],
+            first.k_cache.shape[0] * first.k_cache.shape[1],
+            eps,
+            head_dim**-0.5,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            final_norm.data_ptr(),
+            self._layers,
+        )
+        rows, q_width = max_rows, heads * head_dim
+        qkv_width = q_width + 2 * self.kv_heads * head_dim
+        self.scratch = [
+            torch.empty(rows, width, dtype=BF16)
+            for width in (
+                self.hidden,
+                self.hidden,
+                qkv_width,
+                q_width,
+                2 * self.intermediate,
+                self.intermediate,
+            )
+        ]
+        self.fn = function("decoder_forward", i32, ptr, ptr, i32, ptr, ptr, ptr, i32, ptr, *[ptr] * 6, i32)
+
+    def _layer(self, layer: DecoderLayer) -> _Layer:
+        def op(packed: PackedLinear, bias: torch.Tensor | None = None) -> _Linear:
+            if bias is not None:
+                self._keep.append(bias)
+            weight = packed.small
+            return _Linear(
+                _KINDS[type(weight)],
+                weight.desc_ptr,
+                None if bias is None else bias.data_ptr(),
+                packed.out_features,
+            )
+
+        return _Layer(
+            layer.input_norm.data_ptr(),
+            layer.post_norm.data_ptr(),
+            op(layer.qkv, layer.qkv_bias),
+            op(layer.o),
+            op(layer.gate_up),
+            op(layer.down),
+            layer.k_cache.data_ptr(),
+            layer.v_cache.data_ptr(),
+        )
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [m, hidden] bf16 embeddings, contiguous; overwritten with the final norm
+        positions: torch.Tensor,  # [m] int64
+        slots: torch.Tensor,  # [m] int64 cache slot of each token
+        tables: torch.Tensor,  # [m, max_blocks] int32 block table of each token's sequence
+        lens: torch.Tensor,  # [m] int32 tokens each token attends to (itself included)
+    ) -> torch.Tensor:
+        m = hidden.shape[0]
+        if m > self.max_rows:
+            raise ValueError(f"the native decoder takes at most {self.max_rows} tokens, got {m}.")
+        tables = tables.to(torch.int32).contiguous()
+        status = self.fn(
+            ctypes.addressof(self.desc),
+            hidden.data_ptr(),
+            m,
+            positions.data_ptr(),
+            slots.data_ptr(),
+            tables.data_ptr(),
+            tables.shape[1],
+            lens.to(torch.int32).contiguous().data_ptr(),
+            *(t.data_ptr() for t in self.scratch),
+            torch.get_num_threads(),
+        )
+        if status != 0:
+            raise RuntimeError(f"native decoder failed with status {status} (a cache slot out of range?)")
+        return hidden
