@@ -17,7 +17,7 @@ from inference_engine.layers.linear import LinearBase
 from inference_engine.model_loader import ModelConfig, default_model_path, load_model
 
 from . import quant_checkpoints as qc
-from .conftest import MAX_TOKENS, PROMPTS, assert_all_blocks_free, greedy
+from .conftest import PROMPTS, assert_all_blocks_free, greedy
 
 TEXT = (
     "The old harbour town wakes early. Before the sun clears the hills, the fishing boats are already "
@@ -83,28 +83,53 @@ def test_quantized_perplexity_within_one_percent_of_transformers(case, token_ids
     assert_all_blocks_free(llm)
 
 
+def _first_difference(ours: list[int], theirs: list[int]) -> int | None:
+    if ours == theirs:
+        return None
+    return next(
+        (i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), min(len(ours), len(theirs))
+    )
+
+
+def test_bundled_q4_1_greedy_tokens_match_the_dequantized_engine_in_fp32():
+    """With fp32 activations the quantized kernels compute what the dense weights give: every prompt's 32
+    greedy tokens are identical."""
+    quantized, dense = LLM(dtype="float32"), LLM(quantization="none", dtype="float32")
+    outputs = [
+        [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy(), use_tqdm=False)]
+        for llm in (quantized, dense)
+    ]
+    differ = [p[:30] for p, a, b in zip(PROMPTS, *outputs, strict=True) if a != b]
+    assert not differ, differ
+    assert_all_blocks_free(quantized)
+    assert_all_blocks_free(dense)
+
+
 @pytest.fixture(scope="module")
 def bundled_pair() -> tuple[LLM, LLM]:
     """The bundled Q4_1 file served quantized, and dequantized to bf16 (the engine before quantization)."""
     return LLM(dtype="bfloat16"), LLM(quantization="none", dtype="bfloat16")
 
 
-def test_bundled_q4_1_greedy_tokens_match_the_dequantized_bf16_engine(bundled_pair):
+def test_bundled_q4_1_in_bf16_departs_only_at_near_ties(bundled_pair):
+    """In bf16 the two engines round activations after different sums (the quantized kernel multiplies the
+    exact dequantized weights, the dense one weights rounded to bf16), so greedy decoding may take the other
+    of two tokens whose logits lie within a step or two of bf16 (0.125 at the magnitudes of top logits).
+    Where a prompt's tokens first differ, the dense engine's top two must be that close."""
     quantized, dense = bundled_pair
-    outputs = [
-        [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy(), use_tqdm=False)]
-        for llm in bundled_pair
-    ]
+    params = greedy(logprobs=2)
+    ours = quantized.generate(PROMPTS, params, use_tqdm=False)
+    theirs = dense.generate(PROMPTS, params, use_tqdm=False)
     differ = []
-    for prompt, ours, theirs in zip(PROMPTS, *outputs, strict=True):
-        if ours != theirs:
-            at = next(
-                (i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b),
-                min(len(ours), len(theirs)),
-            )
-            differ.append(f"{prompt[:30]!r} from token {at} of {MAX_TOKENS}")
-    print(f"{len(PROMPTS) - len(differ)}/{len(PROMPTS)} identical; differ: {differ}")
-    assert len(PROMPTS) - len(differ) >= 12, differ
+    for prompt, a, b in zip(PROMPTS, ours, theirs, strict=True):
+        at = _first_difference(a.outputs[0].token_ids, b.outputs[0].token_ids)
+        if at is None or at >= len(b.outputs[0].logprobs):
+            continue
+        top2 = sorted((lp.logprob for lp in b.outputs[0].logprobs[at].values()), reverse=True)[:2]
+        differ.append((prompt[:30], at, round(top2[0] - top2[1], 4)))
+    same = len(PROMPTS) - len(differ)
+    print(f"{same}/{len(PROMPTS)} identical; differ (prompt, token, top-2 margin): {differ}")
+    assert all(margin <= 0.25 for _, _, margin in differ), differ
     assert_all_blocks_free(quantized)
     assert_all_blocks_free(dense)
 
@@ -130,4 +155,6 @@ def test_bundled_q4_1_weights_take_a_fraction_of_their_bf16_size(bundled_pair):
         f"weights: {ours / 2**20:.1f} MiB quantized ({100 * ratio:.1f} % of {bf16 / 2**20:.1f} MiB in bf16); "
         f"the bf16 engine holds {dense.engine.runner.weight_bytes / 2**20:.1f} MiB"
     )
-    assert ratio < 0.65
+    # The file itself holds 5 bits a weight (Q4_1) and 8.5 in its tied embedding / LM head (Q8_0): 36 % of
+    # bf16 is its own density, which the packed kernels keep.
+    assert ratio < 0.37
