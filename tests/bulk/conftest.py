@@ -1,9 +1,11 @@
-"""A real stack for bulk jobs: the web tests' stack (redis-server, engine, SQLite file, daphne) plus a Celery
-worker, all on the settings of `tests.bulk.settings`. The test process talks to the same SQLite file (not a
-pytest-django test database: the worker must see the rows) and the same Redis."""
+"""A real stack for bulk jobs: the web tests' stack (redis-server, engine, daphne) plus a Celery worker and
+the stack's own database (PostgreSQL when one answers on the loopback), all on the settings of
+`tests.bulk.settings`. The test process talks to the same database (not a pytest-django test database: the
+worker must see the rows) and the same Redis."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -17,6 +19,7 @@ os.environ.setdefault("DJANGO_SECRET_KEY", "test-only-secret")
 django.setup()
 
 from django.db import connections  # noqa: E402
+from django.db.utils import load_backend  # noqa: E402
 from django.test import override_settings  # noqa: E402
 
 from hostproject.celery import app as celery_app  # noqa: E402
@@ -29,24 +32,35 @@ TEMPLATE = "Summarise the following document:\n\n{document}"
 PARAMS = {"temperature": 0.0, "max_tokens": 8}
 
 
-@pytest.fixture(scope="session")
-def bulk_stack(django_db_blocker: pytest.FixtureRequest) -> Iterator[BulkStack]:
-    stack = BulkStack(engine_flags=engine_flags(max_num_seqs=16))
-    stack.start()
-    connection = connections["default"]
-    previous_name = connection.settings_dict["NAME"]
-    # Earlier tests may have left the connection on pytest-django's in-memory test database, which Django
-    # never closes (closing would destroy it): park that connection and open the stack's file instead.
-    previous_connection, connection.connection = connection.connection, None
-    connection.settings_dict["NAME"] = str(stack.db_path)
+@contextlib.contextmanager
+def default_database(config: dict[str, Any]) -> Iterator[None]:
+    """Point this thread's ``default`` connection at another database for a while. Earlier tests may have left
+    it on pytest-django's in-memory test database, which Django never closes (closing would destroy it): it is
+    parked, not closed, and put back afterwards."""
+    previous, previous_config = connections["default"], connections.settings["default"]
+    merged = {**previous_config, **config}
+    connections.settings["default"] = merged
+    connections["default"] = load_backend(merged["ENGINE"]).DatabaseWrapper(merged, "default")
     try:
-        with django_db_blocker.unblock(), override_settings(LLMSERVE={"REDIS_URL": stack.redis.url}):
+        yield
+    finally:
+        connections["default"].close()
+        connections["default"], connections.settings["default"] = previous, previous_config
+
+
+@pytest.fixture(scope="package")
+def bulk_stack(django_db_blocker: Any) -> Iterator[BulkStack]:
+    stack = BulkStack(engine_flags=engine_flags(max_num_seqs=16))
+    try:
+        stack.start()
+        with (
+            django_db_blocker.unblock(),
+            default_database(stack.database),
+            override_settings(LLMSERVE={"REDIS_URL": stack.redis.url}),
+        ):
             celery_app.conf.broker_url = stack.redis.url
             yield stack
     finally:
-        connection.close()
-        connection.settings_dict["NAME"] = previous_name
-        connection.connection = previous_connection
         stack.stop()
 
 

@@ -1,14 +1,37 @@
-"""`BulkStack`: the web tests' real stack plus a Celery worker, with the engine and the worker killable and
-restartable. Used by tests/bulk and benchmarks/bulk.py."""
+"""`BulkStack`: the web tests' real stack plus a Celery worker (prefork, as deployed), with the engine, the
+worker and its pool processes killable and restartable. Used by tests/bulk and benchmarks/bulk.py.
+
+The database is a private PostgreSQL database made for the stack when PostgreSQL answers on the loopback (the
+production setup, and the one whose row locking the runners' claims meet), else the stack's SQLite file.
+"""
 
 from __future__ import annotations
 
+import os
 import signal
 import sqlite3
 import subprocess
-from pathlib import Path
+import sys
+import uuid
+from typing import Any
 
-from tests.web.stack import Stack
+import psutil
+
+from tests.web.stack import ROOT, Stack
+
+PG = {"host": "127.0.0.1", "port": 5432, "user": "postgres", "dbname": "postgres", "connect_timeout": 2}
+
+
+def _postgres(autocommit: bool = True) -> Any:
+    """A connection to the local PostgreSQL server, or None when none answers."""
+    try:
+        import psycopg
+    except ImportError:
+        return None
+    try:
+        return psycopg.connect(**PG, autocommit=autocommit)
+    except psycopg.OperationalError:
+        return None
 
 
 class BulkStack(Stack):
@@ -16,46 +39,89 @@ class BulkStack(Stack):
 
     worker: subprocess.Popen | None = None
     worker_count: int = 0
+    pg_database: str | None = None
 
     @property
     def env(self) -> dict[str, str]:
-        return {**super().env, "DJANGO_SETTINGS_MODULE": "tests.bulk.settings"}
+        env = {**super().env, "DJANGO_SETTINGS_MODULE": "tests.bulk.settings"}
+        if self.pg_database:
+            env["LLMSERVE_TEST_PG_DATABASE"] = self.pg_database
+        return env
 
     @property
-    def db_path(self) -> Path:
-        return self.workdir / "db.sqlite3"
+    def database(self) -> dict[str, Any]:
+        """The stack's database, as a Django DATABASES entry."""
+        if self.pg_database:
+            return {
+                "ENGINE": "django.db.backends.postgresql",
+                "NAME": self.pg_database,
+                "HOST": PG["host"],
+                "PORT": PG["port"],
+                "USER": PG["user"],
+                "PASSWORD": "",
+                "OPTIONS": {},
+            }
+        sqlite = str(self.workdir / "db.sqlite3")
+        return {"ENGINE": "django.db.backends.sqlite3", "NAME": sqlite, "OPTIONS": {}}
 
     def start(self) -> BulkStack:
+        server = _postgres()
+        if server is not None:
+            self.pg_database = f"llmserve_bulk_{uuid.uuid4().hex[:12]}"
+            with server:
+                server.execute(f'CREATE DATABASE "{self.pg_database}"')
         super().start()
-        with sqlite3.connect(self.db_path) as db:  # readers never block the writers (test, worker, daphne)
-            db.execute("PRAGMA journal_mode=WAL")
+        if not self.pg_database:
+            with sqlite3.connect(self.workdir / "db.sqlite3") as db:  # readers never block the writers
+                db.execute("PRAGMA journal_mode=WAL")
         self.start_worker()
         return self
 
     def start_worker(self) -> None:
+        """A prefork worker with two pool processes, in a session of its own so that `kill_worker` can take
+        the whole of it down."""
         self.worker_count += 1
-        self.worker = self._spawn(
-            f"worker{self.worker_count}",
-            "-m",
-            "celery",
-            "-A",
-            "hostproject",
-            "worker",
-            "--pool",
-            "threads",
-            "--concurrency",
-            "2",
-            "--loglevel",
-            "INFO",
-            "-n",
-            f"bulk{self.worker_count}@%h",
-            "--without-gossip",
-            "--without-mingle",
-        )
+        name = f"worker{self.worker_count}"
+        with open(self.workdir / f"{name}.log", "w") as log:
+            self.worker = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "celery",
+                    "-A",
+                    "hostproject",
+                    "worker",
+                    "--pool",
+                    "prefork",
+                    "--concurrency",
+                    "2",
+                    "--loglevel",
+                    "INFO",
+                    "-n",
+                    f"bulk{self.worker_count}@%h",
+                    "--without-gossip",
+                    "--without-mingle",
+                ],
+                cwd=ROOT,
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def pool_processes(self) -> list[int]:
+        assert self.worker is not None
+        return [child.pid for child in psutil.Process(self.worker.pid).children()]
+
+    def kill_pool_process(self, pid: int) -> None:
+        """SIGKILL one pool process (as the OOM killer would); the worker starts a new one."""
+        assert pid in self.pool_processes(), (pid, self.log(f"worker{self.worker_count}"))
+        os.kill(pid, signal.SIGKILL)
 
     def kill_worker(self) -> None:
+        """SIGKILL the whole worker: its main process and every pool process."""
         assert self.worker is not None and self.worker.poll() is None, self.log(f"worker{self.worker_count}")
-        self.worker.send_signal(signal.SIGKILL)
+        os.killpg(self.worker.pid, signal.SIGKILL)
         self.worker.wait()
 
     def kill_engine(self) -> None:
@@ -83,5 +149,11 @@ class BulkStack(Stack):
             try:
                 self.worker.wait(20)
             except subprocess.TimeoutExpired:
-                self.worker.kill()
+                os.killpg(self.worker.pid, signal.SIGKILL)
+                self.worker.wait()
         super().stop()
+        if self.pg_database:
+            server = _postgres()
+            if server is not None:
+                with server:
+                    server.execute(f'DROP DATABASE IF EXISTS "{self.pg_database}" WITH (FORCE)')
