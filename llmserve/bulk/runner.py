@@ -77,6 +77,7 @@ class JobRunner:
         self.claims_resume = 0.0
         self.next_beat = 0.0
         self.observed_tokens, self.observed_items = 0, 0
+        self.runner: BulkRunner | None = None
 
     def run(self) -> bool:
         BulkJob.objects.filter(pk=self.job_id, status=BulkJob.Status.QUEUED).update(
@@ -86,21 +87,24 @@ class JobRunner:
         if self.job.status not in (BulkJob.Status.RUNNING, BulkJob.Status.CANCELLING):
             return False
         self.params = requests.job_params(self.job.params) if self.job.template else None
-        # An earlier run of this very task is dead (a task runs once at a time; it was redelivered).
-        BulkRunner.objects.filter(task_id=self.task_id).delete()
-        self.runner = BulkRunner.objects.create(
-            job=self.job, task_id=self.task_id, worker=services.worker_name(), heartbeat_at=timezone.now()
-        )
         settings = dataclasses.replace(bus.client_settings(), ack_timeout=ACK_TIMEOUT)
         self.bus = BusThread(conf.get("REDIS_URL"), settings, self.job.model, self.job.priority)
         try:
+            # An earlier run of this very task is dead (a task runs once at a time; it was redelivered).
+            BulkRunner.objects.filter(task_id=self.task_id).delete()
+            self.runner = BulkRunner.objects.create(
+                job=self.job, task_id=self.task_id, worker=services.worker_name(), heartbeat_at=timezone.now()
+            )
             return self._loop()
         except Reaped:
             log.warning("job %s: runner %s was declared dead; leaving", self.job_id, self.runner.pk)
             return False
         finally:
-            self.bus.close()  # requests left in flight (only when leaving by an error) go on for a successor
-            BulkRunner.objects.filter(pk=self.runner.pk).delete()
+            # Requests still in flight (a handover, or an error) go on in the engine: whoever gets their items
+            # once this row is gone reads their output.
+            self.bus.close()
+            if self.runner is not None:
+                BulkRunner.objects.filter(pk=self.runner.pk).delete()
 
     def _loop(self) -> bool:
         while True:
