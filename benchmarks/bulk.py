@@ -210,10 +210,11 @@ def large_job(stack: Any, count: int) -> dict[str, Any]:
     return result
 
 
-def measure(stack: Any, llm: Any, args: argparse.Namespace) -> dict[str, Any]:
+def measure(stack: Any, llm: Any, args: argparse.Namespace, result: dict[str, Any]) -> None:
+    """Fills ``result``, saving it after each phase (a long run cut short keeps what it measured)."""
     import openai
 
-    result: dict[str, Any] = {"sizes": []}
+    result["sizes"] = []
     client = openai.OpenAI(base_url=stack.base_url + "/v1", api_key=stack.api_key, max_retries=0)
     reference(llm, documents(8, seed=0), 4)  # warm-up, both sides
     run_job(stack.model, documents(8, seed=0), 4)
@@ -235,17 +236,32 @@ def measure(stack: Any, llm: Any, args: argparse.Namespace) -> dict[str, Any]:
             "load_average": machine_load(),
         }
         result["sizes"].append(size)
+        save(result)
         print(json.dumps(size, indent=2), flush=True)
-    print("interactive TTFT ...", flush=True)
-    idle = [ttft(client, stack.model, i, args.chat_max_tokens) for i in range(args.idle_requests)]
-    mixed = with_chat(stack, client, documents(args.documents[0], seed=1), args)
-    result["ttft_idle_s"] = summary(idle)
-    result["with_chat"] = mixed
-    result["ttft_ratio_p50"] = mixed["ttft_s"]["p50"] / result["ttft_idle_s"]["p50"]
+        if count == args.documents[0]:
+            ttft_phase(stack, client, documents(count, seed=count + 1), args, result)
     if args.large:
         print(f"{args.large}-document job ...", flush=True)
         result["large"] = large_job(stack, args.large)
-    return result
+        save(result)
+
+
+def ttft_phase(
+    stack: Any, client: Any, docs: list[dict[str, str]], args: argparse.Namespace, result: dict
+) -> None:
+    print("interactive TTFT ...", flush=True)
+    idle = [ttft(client, stack.model, i, args.chat_max_tokens) for i in range(args.idle_requests)]
+    mixed = with_chat(stack, client, docs, args)
+    result["ttft_idle_s"] = summary(idle)
+    result["with_chat"] = mixed
+    result["ttft_ratio_p50"] = mixed["ttft_s"]["p50"] / result["ttft_idle_s"]["p50"]
+    save(result)
+
+
+def save(result: dict[str, Any]) -> None:
+    result["load_average_now"] = machine_load()
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "bulk.json").write_text(json.dumps(result, indent=2))
 
 
 def main() -> None:
@@ -268,7 +284,7 @@ def main() -> None:
     from tests.bulk.stack import BulkStack
     from tests.web.stack import engine_flags
 
-    started = {"config": vars(args), "load_average_start": machine_load()}
+    result: dict[str, Any] = {"config": vars(args), "load_average_start": machine_load()}
     llm = LLM(
         dtype="float32",
         max_num_seqs=args.max_num_seqs,
@@ -293,12 +309,10 @@ def main() -> None:
         from hostproject.celery import app as celery_app
 
         celery_app.conf.broker_url = stack.redis.url
-        result = {**started, **measure(stack, llm, args)}
+        measure(stack, llm, args, result)
     finally:
         stack.stop()
-    result["load_average_end"] = machine_load()
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "bulk.json").write_text(json.dumps(result, indent=2))
+    save(result)
     plot(result, RESULTS / "bulk.png")
     print(json.dumps(result, indent=2))
 
