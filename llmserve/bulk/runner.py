@@ -50,9 +50,11 @@ BACKOFF = 1.0  # seconds before retrying after an engine outage
 POLL = 0.25  # longest wait for a result before looking at the job again
 FLUSH_SECONDS = 0.5  # a finished result waits at most this long to be written...
 FLUSH_ITEMS = 256  # ...or until this many have finished
-# Queued bulk requests wait for a free batch slot up to a whole generation; the client still gives up at once
-# when no replica of the model is alive.
-ACK_TIMEOUT = 600.0
+# How long the client waits for a request's next entry. A queued bulk request waits for a free batch slot a
+# whole generation or more; and a runner that left requests behind (handover, declared dead) still reads them
+# until they end: if it gave up, the client would abort them under the runner now reading them. The client
+# still gives up at once when no replica of the model is alive.
+STREAM_TIMEOUT = 600.0
 
 DONE_FIELDS = ["status", "runner", "finished_at", "output", "response", "prompt_tokens", "completion_tokens"]
 FAILED_FIELDS = ["status", "runner", "finished_at", "error"]
@@ -87,7 +89,9 @@ class JobRunner:
         if self.job.status not in (BulkJob.Status.RUNNING, BulkJob.Status.CANCELLING):
             return False
         self.params = requests.job_params(self.job.params) if self.job.template else None
-        settings = dataclasses.replace(bus.client_settings(), ack_timeout=ACK_TIMEOUT)
+        settings = dataclasses.replace(
+            bus.client_settings(), ack_timeout=STREAM_TIMEOUT, stream_timeout=STREAM_TIMEOUT
+        )
         self.bus = BusThread(conf.get("REDIS_URL"), settings, self.job.model, self.job.priority)
         try:
             # An earlier run of this very task is dead (a task runs once at a time; it was redelivered).
