@@ -15,12 +15,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from inference_engine.bus.client import (
-    AsyncEngineClient,
-    AsyncGenerationStream,
-    ClientSettings,
-    GenerationResult,
-)
+from inference_engine.bus.client import AsyncEngineClient, ClientSettings, GenerationResult
 from inference_engine.errors import InvalidRequestError
 from llmserve.bulk import requests
 
@@ -84,9 +79,10 @@ class BusThread:
         assert request is not None
         # An attempt whose id the bus already knows was submitted by an earlier runner (one that handed over,
         # or died): its request runs (or has finished) in the engine, so read its output rather than
-        # generate the item again. The second check covers an earlier runner submitting in between.
+        # generate the item again. The second check covers an earlier runner submitting in between. An
+        # earlier runner that gave up on the request aborted it: `attach` raises, and the item is tried again.
         if await self.client.request_known(flight.request_id, started=False):
-            stream = self._attach(flight)
+            stream = await self.client.attach(self.model, flight.request_id)
         else:
             try:
                 stream = await self.client.generate(
@@ -100,13 +96,9 @@ class BusThread:
             except InvalidRequestError:
                 if not await self.client.request_known(flight.request_id, started=False):
                     raise
-                stream = self._attach(flight)
+                stream = await self.client.attach(self.model, flight.request_id)
         async with stream:
             return await stream.result()
-
-    def _attach(self, flight: Flight) -> AsyncGenerationStream:
-        """The stream of a request already on the bus, read from its first entry."""
-        return AsyncGenerationStream(self.client, self.model, flight.request_id)
 
     def finished(self, timeout: float) -> list[tuple[Flight, GenerationResult | Exception]]:
         """The flights that ended since the last call, waiting up to ``timeout`` seconds for the first."""

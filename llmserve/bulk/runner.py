@@ -37,6 +37,7 @@ from inference_engine.errors import (
     EngineOverloadedError,
     EngineUnavailableError,
     ModelNotFoundError,
+    RequestAbortedError,
 )
 from llmserve import bus, conf, ratelimit
 from llmserve.bulk import capacity, requests, services
@@ -266,8 +267,8 @@ class JobRunner:
                     continue
                 fields = flight.request.stored(outcome)
                 done.append(BulkItem(pk=flight.item_id, status=BulkItem.Status.DONE, **fields))
-            elif isinstance(outcome, asyncio.CancelledError):
-                retry[0.0].append(flight.item_id)
+            elif isinstance(outcome, asyncio.CancelledError | RequestAbortedError):
+                retry[0.0].append(flight.item_id)  # paused or cancelled, or given up by an earlier runner
             elif isinstance(outcome, TRANSIENT):
                 log.warning("job %s item %s: %s; retrying", self.job_id, flight.index, outcome)
                 retry[BACKOFF].append(flight.item_id)
