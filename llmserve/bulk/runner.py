@@ -206,8 +206,6 @@ class JobRunner:
         free = self.limit - len(self.flights)
         if free < max(1, self.limit // 4) or time.monotonic() < self.claims_resume:
             return
-        if self.job.owner_id is not None:
-            free = self._rate_allowance(free)
         now = timezone.now()
         claimable = BulkItem.objects.filter(
             Q(retry_at__isnull=True) | Q(retry_at__lte=now),
@@ -215,7 +213,8 @@ class JobRunner:
             status=BulkItem.Status.PENDING,
             runner__isnull=True,
         )
-        ids = list(claimable.order_by("index").values_list("pk", flat=True)[:free])
+        rows = list(claimable.order_by("index").values_list("pk", "index", "attempts")[:free])
+        ids = self._within_rate_limit(rows)
         if not ids:
             return
         BulkItem.objects.filter(pk__in=ids, status=BulkItem.Status.PENDING, runner__isnull=True).update(
@@ -233,23 +232,32 @@ class JobRunner:
             self.flights[pk] = flight
             self.bus.start(flight)
 
-    def _rate_allowance(self, wanted: int) -> int:
-        """How many of ``wanted`` requests the job's API key may send now: each one counts against the key's
-        requests-per-minute limit, as the same request through the REST API would."""
+    def _within_rate_limit(self, rows: list[tuple[int, int, int]]) -> list[int]:
+        """The items of ``rows`` (pk, index, attempts) that the job's API key lets run now. Each request sent
+        counts against the key's requests-per-minute limit, as the same request through the REST API would;
+        an item whose request an earlier runner already sent (and left running when it handed over) is read,
+        not sent again, and counts nothing."""
         key = self.job.owner
         limit = key.effective_rate_limit() if key is not None else 0
         if limit <= 0:
-            return wanted
+            return [pk for pk, _, _ in rows]
 
-        async def hits() -> int:
-            for sent in range(wanted):
-                retry_after = await ratelimit.ahit(f"key:{key.pk}", limit)
-                if retry_after is not None:
-                    self.claims_resume = time.monotonic() + retry_after
-                    return sent
-            return wanted
+        async def allowed() -> list[int]:
+            request_ids = [self.job.request_id(index, max(attempts, 1)) for _, index, attempts in rows]
+            on_bus = await asyncio.gather(
+                *(self.bus.client.request_known(request_id, started=False) for request_id in request_ids)
+            )
+            keep, refused = [], False
+            for (pk, _, _), sent in zip(rows, on_bus, strict=True):
+                if not sent and not refused:
+                    retry_after = await ratelimit.ahit(f"key:{key.pk}", limit)
+                    if retry_after is not None:
+                        self.claims_resume, refused = time.monotonic() + retry_after, True
+                if sent or not refused:
+                    keep.append(pk)
+            return keep
 
-        return self.bus.call(hits())
+        return self.bus.call(allowed())
 
     # ----------------------------------------------------------------------------------------------- storing
 
