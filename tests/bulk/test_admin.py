@@ -61,7 +61,7 @@ def test_pause_resume_cancel_mid_job(
     bulk_stack: BulkStack, browser: Client, bus_client: EngineClient
 ) -> None:
     job = services.create_job(
-        bulk_stack.model, TEMPLATE, documents(64, seed=5), {**PARAMS, "max_tokens": 32}, name="controls"
+        bulk_stack.model, TEMPLATE, documents(64, seed=5), {**PARAMS, "max_tokens": 16}, name="controls"
     )
     page = reverse("admin:llmserve_bulkjob_change", args=[job.pk])
     wait_until(lambda: counts(job)[0] >= 4, 240, "4 items done")
@@ -193,13 +193,13 @@ def test_long_job_keeps_the_worker_flat_and_the_admin_page_constant(
     bulk_stack: BulkStack, browser: Client
 ) -> None:
     """A smaller version of benchmarks/bulk.py's 10,000-document job: every item stored once, the pool
-    processes' memory flat, and the job page costing the same queries at 300 items as at 1 (progress is read
+    processes' memory flat, and the job page costing the same queries at 60 items as at 1 (progress is read
     from the job's counters), so its render time does not grow with the job."""
     small = wait_finished(services.create_job(bulk_stack.model, TEMPLATE, documents(1, seed=7), PARAMS))
     job = services.create_job(
         bulk_stack.model,
         "Say yes: {document}",
-        ({"document": f"note {i}"} for i in range(300)),
+        ({"document": f"note {i}"} for i in range(60)),
         {"temperature": 0, "max_tokens": 2},
         name="long",
     )
@@ -220,7 +220,7 @@ def test_long_job_keeps_the_worker_flat_and_the_admin_page_constant(
     growth = max(p.memory_info().rss - rss for p, rss in zip(pools, start, strict=True)) / 2**20
     print(f"pool RSS growth {growth:.1f} MB; job page {1000 * statistics.median(renders):.0f} ms median")
     job.refresh_from_db()
-    assert (job.status, job.done, job.total) == ("completed", 300, 300)
-    assert job.items.filter(status=BulkItem.Status.DONE).count() == 300
+    assert (job.status, job.done, job.total) == ("completed", 60, 60)
+    assert job.items.filter(status=BulkItem.Status.DONE).count() == 60
     assert growth < 50
     assert len({count for _, count in queries}) == 1, queries
