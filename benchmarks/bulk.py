@@ -3,7 +3,7 @@ parameters through `LLM.chat` in this process (the reference: the engine with no
 time to first token (TTFT) of interactive chat requests on an idle engine and while a bulk job runs.
 
 Starts a private stack (redis-server, one engine process, daphne, a prefork Celery worker, PostgreSQL when it
-answers on the loopback; see tests/bulk/stack.py). The reference engine has the stack engine's settings (one
+answers on the loopback: see tests/database.py). The reference engine has the stack engine's settings (one
 torch thread, ``--max-num-seqs``, float32, 512-token context, 128 MiB of KV cache) and runs while the stack is
 idle. Targets: job tokens/s >= 0.9x the reference; TTFT p50 during the job <= 2x idle.
 
