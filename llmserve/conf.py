@@ -34,10 +34,8 @@ Keys (all optional; defaults in `DEFAULTS`):
 ``CHAT_LOGIN_REQUIRED``  ``True`` (default): the WebSocket chat serves logged-in users and API keys only.
                          ``False``: anonymous visitors may chat too, rate-limited per client address.
 ``BULK_PRIORITY``        Bus priority of bulk job requests (lower runs first; interactive requests use 0).
-``BULK_CONCURRENCY``     Requests one bulk job keeps in flight, all its tasks together. Keep it below the
-                         engines' ``max_num_seqs`` so that interactive requests always find a free slot.
-``BULK_LEASE_SECONDS``   How long a bulk item stays claimed by a task without a renewal; after that (a killed
-                         worker) another task takes it over.
+``BULK_RUNNER_TIMEOUT``  Seconds without a heartbeat after which a bulk task counts as dead and its items pass
+                         to another task (a task redelivered after its worker died takes them over at once).
 ``BULK_SLICE_SECONDS``   How long one bulk task claims new items before handing over to a fresh task; keep
                          it well under the broker's ``visibility_timeout`` so that only dead tasks are
                          redelivered.
@@ -75,8 +73,7 @@ DEFAULTS: dict[str, Any] = {
     "ENGINE_THREADS": None,
     "CHAT_LOGIN_REQUIRED": True,
     "BULK_PRIORITY": 10,
-    "BULK_CONCURRENCY": 8,
-    "BULK_LEASE_SECONDS": 60.0,
+    "BULK_RUNNER_TIMEOUT": 10.0,
     "BULK_SLICE_SECONDS": 60.0,
     "BULK_MAX_FILE_BYTES": 50 * 2**20,
 }

@@ -43,6 +43,7 @@ from inference_engine.errors import (
     EngineUnavailableError,
     InvalidRequestError,
     ModelNotFoundError,
+    RequestAbortedError,
 )
 from inference_engine.outputs import CompletionOutput, Logprob
 from inference_engine.sampling_params import SamplingParams
@@ -207,6 +208,14 @@ class _Core:
         keys = [self.keys.request_id(request_id)] + ([self.keys.output(request_id)] if started else [])
         (count,) = yield [_cmd("exists", *keys)]
         return count == len(keys)
+
+    def check_attachable(self, request_id: str) -> Op[None]:
+        """Raises when reading an earlier submitted request is pointless because it was aborted: an engine
+        running it ends its output with an abort, but one that finds it aborted in the queue (or among a dead
+        replica's requests) drops it without a word."""
+        (aborted,) = yield [_cmd("exists", self.keys.abort(request_id))]
+        if aborted:
+            raise RequestAbortedError(f"request {request_id!r} was aborted.")
 
     def check_waiting(self, model: str, request_id: str, started: bool) -> Op[None]:
         """Raises when waiting longer for this request is pointless: no replica left, or Redis forgot it."""
@@ -756,6 +765,13 @@ class AsyncEngineClient:
         stream = AsyncGenerationStream(self, model, message.id)
         await stream._wait_ack()
         return stream
+
+    async def attach(self, model: str, request_id: str) -> AsyncGenerationStream:
+        """The stream of a request submitted earlier, by this client or another (a bulk task that took over
+        another's items), read from its first entry; leaving it early aborts the request as for `generate`.
+        Raises `RequestAbortedError` if the request was aborted."""
+        await self._run(self._core.check_attachable(request_id))
+        return AsyncGenerationStream(self, model, request_id)
 
     async def tokenize(
         self,

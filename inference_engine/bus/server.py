@@ -9,7 +9,11 @@ Priority-aware intake: interactive requests (``priority <= 0``) and low-priority
 two streams. Interactive requests are read while fewer than `max_inflight` *interactive* ones are in flight,
 however many bulk ones are; low-priority ones only while the total in flight is below `max_inflight`. So a
 replica saturated with bulk work still sees a new interactive request at its next iteration, and the engine's
-scheduler (ordered by priority) preempts a bulk sequence to run it at once.
+scheduler (ordered by priority) preempts a bulk sequence to run it at once. New low-priority requests are
+also admitted a few per iteration (an eighth of `max_inflight`), and none in an iteration that admits an
+interactive one: bulk prefills are spread over steps instead of arriving in waves (a step that prefills a
+whole batch of bulk prompts is many decode steps long, and an interactive request arriving meanwhile waits it
+out), and the step that prefills an interactive request carries no new bulk prompt.
 """
 
 from __future__ import annotations
@@ -81,6 +85,7 @@ class EngineServer:
             self.settings.heartbeat_ttl,
         )
         self.max_inflight = self.settings.max_inflight or engine.config.max_num_seqs
+        self.low_admit = max(1, self.max_inflight // 8)  # new low-priority requests per iteration
         self.req_stream, self.util_stream = self.keys.requests(self.model), self.keys.utility(self.model)
         self.low_stream = self.keys.low_priority_requests(self.model)
         self.streams = (self.req_stream, self.low_stream, self.util_stream)
@@ -239,9 +244,10 @@ class EngineServer:
         for reply in replies:
             more += self._entries(reply)
         _, total = self._capacity(entries + more)
-        if total > 0:
+        if total > 0 and not any(stream == self.req_stream for stream, _, _ in entries + more):
             with self.redis.pipeline(transaction=False) as pipe:
-                pipe.xreadgroup(P.GROUP, self.replica_id, {self.low_stream: ">"}, count=total)
+                count = min(total, self.low_admit)
+                pipe.xreadgroup(P.GROUP, self.replica_id, {self.low_stream: ">"}, count=count)
                 replies = self._execute(pipe)
             if replies is None:
                 return None

@@ -1,47 +1,35 @@
-"""Admin for bulk jobs: create one from an uploaded JSONL or CSV file, watch its progress, cancel it.
+"""Admin for bulk jobs: create one from an uploaded JSONL or CSV file, watch its progress live, pause, resume
+or cancel it, download its results as JSONL or CSV; and the Batch API's token usage per API key.
 
 Each JSONL line (an object) or CSV row (columns by header) becomes one item whose fields fill the template.
 """
 
 from __future__ import annotations
 
-import csv
-import io
-import json
 from typing import Any
 
 from django import forms
 from django.contrib import admin, messages
-from django.db.models import QuerySet
-from django.http import HttpRequest, HttpResponseRedirect
-from django.urls import reverse
+from django.core.exceptions import PermissionDenied
+from django.db.models import Count, QuerySet, Sum
+from django.http import (
+    Http404,
+    HttpRequest,
+    HttpResponse,
+    HttpResponseRedirect,
+    JsonResponse,
+    StreamingHttpResponse,
+)
+from django.shortcuts import get_object_or_404
+from django.urls import path, reverse
 from django.utils.html import format_html
 from django.utils.translation import gettext_lazy as _
-from django.utils.translation import ngettext
+from django.views.decorators.http import require_POST
 
 from llmserve import conf
 from llmserve.api.errors import APIError
-from llmserve.bulk import services
-from llmserve.bulk.models import Batch, BatchFile, BulkItem, BulkJob
-
-
-def read_items(upload: Any) -> list[dict[str, Any]]:
-    """The items of an uploaded ``.jsonl`` / ``.csv`` file; `forms.ValidationError` names a bad line."""
-    text = upload.read().decode("utf-8-sig")
-    if upload.name.lower().endswith(".csv"):
-        return [dict(row) for row in csv.DictReader(io.StringIO(text))]
-    items = []
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except ValueError:
-            raise forms.ValidationError(_("Line %(n)d is not valid JSON.") % {"n": number}) from None
-        if not isinstance(item, dict):
-            raise forms.ValidationError(_("Line %(n)d is not a JSON object.") % {"n": number})
-        items.append(item)
-    return items
+from llmserve.bulk import services, uploads
+from llmserve.bulk.models import Batch, BatchFile, BulkItem, BulkJob, KeyUsage
 
 
 class BulkJobForm(forms.ModelForm):
@@ -56,13 +44,21 @@ class BulkJobForm(forms.ModelForm):
         model = BulkJob
         fields = ("name", "model", "kind", "template", "params", "priority")
 
+    def clean_file(self) -> Any:
+        upload = self.cleaned_data["file"]
+        limit = conf.get("BULK_MAX_FILE_BYTES")
+        if upload.size > limit:
+            raise forms.ValidationError(_("The file exceeds %(limit)d bytes.") % {"limit": limit})
+        try:
+            count = uploads.count_items(upload)
+        except uploads.UploadError as exc:
+            raise forms.ValidationError(str(exc)) from None
+        if not count:
+            raise forms.ValidationError(_("The file holds no items."))
+        return upload
+
     def clean(self) -> dict[str, Any]:
         cleaned = super().clean()
-        upload = cleaned.get("file")
-        if upload is not None:
-            cleaned["items"] = read_items(upload)
-            if not cleaned["items"]:
-                self.add_error("file", _("The file holds no items."))
         if not cleaned.get("template"):
             self.add_error("template", _("A template is required."))
         return cleaned
@@ -86,10 +82,32 @@ class BulkItemAdmin(admin.ModelAdmin):
 
 @admin.register(BulkJob)
 class BulkJobAdmin(admin.ModelAdmin):
-    list_display = ("__str__", "model", "status", "progress", "tokens_per_s", "eta", "created_at")
+    list_display = ("__str__", "model", "status", "progress", "tokens_per_s", "eta", "owner", "created_at")
     list_filter = ("status", "model")
     search_fields = ("name", "model")
-    actions = ("cancel_jobs",)
+    list_select_related = ("owner",)
+    actions = ("pause_jobs", "resume_jobs", "cancel_jobs")
+    change_form_template = "llmserve/admin/bulkjob_change_form.html"
+    detail_fields = (
+        "name",
+        "model",
+        "kind",
+        "template",
+        "params",
+        "priority",
+        "owner",
+        "status",
+        "progress",
+        "tokens",
+        "tokens_per_s",
+        "eta",
+        "items",
+        "error",
+        "created_at",
+        "started_at",
+        "cancelled_at",
+        "finished_at",
+    )
 
     def get_form(
         self, request: HttpRequest, obj: BulkJob | None = None, **kwargs: Any
@@ -101,27 +119,10 @@ class BulkJobAdmin(admin.ModelAdmin):
     def get_fields(self, request: HttpRequest, obj: BulkJob | None = None) -> list[str]:
         if obj is None:
             return ["name", "model", "kind", "template", "params", "priority", "file"]
-        return [
-            "name",
-            "model",
-            "kind",
-            "template",
-            "params",
-            "priority",
-            "status",
-            "progress",
-            "tokens_per_s",
-            "eta",
-            "items",
-            "error",
-            "created_at",
-            "started_at",
-            "cancelled_at",
-            "finished_at",
-        ]
+        return list(self.detail_fields)
 
     def get_readonly_fields(self, request: HttpRequest, obj: BulkJob | None = None) -> list[str]:
-        return [] if obj is None else self.get_fields(request, obj)
+        return [] if obj is None else list(self.detail_fields)
 
     def get_changeform_initial_data(self, request: HttpRequest) -> dict[str, Any]:
         return {
@@ -139,7 +140,7 @@ class BulkJobAdmin(admin.ModelAdmin):
             created = services.create_job(
                 data["model"],
                 data["template"],
-                data["items"],
+                uploads.iter_items(data["file"]),
                 data["params"],
                 data["priority"],
                 kind=data["kind"],
@@ -155,46 +156,183 @@ class BulkJobAdmin(admin.ModelAdmin):
         self.message_user(request, _("Job %(job)s queued.") % {"job": obj.pk})
         return HttpResponseRedirect(reverse("admin:llmserve_bulkjob_change", args=[obj.pk]))
 
-    def _progress(self, obj: BulkJob) -> services.Progress:
-        cache = self.__dict__.setdefault("_progress_cache", {})
-        if obj.pk not in cache:
-            cache[obj.pk] = services.progress(obj)
-        return cache[obj.pk]
-
-    def changelist_view(self, request: HttpRequest, extra_context: dict | None = None) -> Any:
-        self.__dict__["_progress_cache"] = {}
-        return super().changelist_view(request, extra_context)
-
-    def change_view(
-        self, request: HttpRequest, object_id: str, form_url: str = "", extra_context: dict | None = None
-    ) -> Any:
-        self.__dict__["_progress_cache"] = {}
-        return super().change_view(request, object_id, form_url, extra_context)
+    # ----------------------------------------------------------------------------------------- progress
 
     @admin.display(description=_("done / failed / total"))
     def progress(self, obj: BulkJob) -> str:
-        p = self._progress(obj)
-        return f"{p.done} / {p.failed} / {p.total}"
+        return f"{obj.done} / {obj.failed} / {obj.total}"
+
+    @admin.display(description=_("tokens (prompt / completion)"))
+    def tokens(self, obj: BulkJob) -> str:
+        return f"{obj.prompt_tokens} / {obj.completion_tokens}"
 
     @admin.display(description=_("tokens/s"))
     def tokens_per_s(self, obj: BulkJob) -> str:
-        return f"{self._progress(obj).tokens_per_s:.1f}"
+        return f"{services.progress(obj).tokens_per_s:.1f}"
 
     @admin.display(description=_("ETA"))
     def eta(self, obj: BulkJob) -> str:
-        eta = self._progress(obj).eta_s
-        return "-" if eta is None else f"{int(eta // 60)}m {int(eta % 60):02d}s"
+        return format_eta(services.progress(obj).eta_s)
 
     @admin.display(description=_("items"))
     def items(self, obj: BulkJob) -> str:
         url = reverse("admin:llmserve_bulkitem_changelist") + f"?job__id__exact={obj.pk}"
         return format_html('<a href="{}">{}</a>', url, _("results of each item"))
 
-    @admin.action(description=_("Cancel selected jobs"))
-    def cancel_jobs(self, request: HttpRequest, queryset: QuerySet[BulkJob]) -> None:
-        count = sum(services.cancel_job(job) for job in queryset)
+    def render_change_form(self, request: HttpRequest, context: dict, *args: Any, **kwargs: Any) -> Any:
+        obj = context.get("original")
+        if obj is not None:
+            context["progress"] = services.progress(obj)
+            context["progress_eta"] = format_eta(context["progress"].eta_s)
+            context["can_control"] = self.has_change_permission(request, obj)
+        return super().render_change_form(request, context, *args, **kwargs)
+
+    # ------------------------------------------------------------------- live progress, controls, results
+
+    def get_urls(self) -> list:
+        view = self.admin_site.admin_view
+        return [
+            path("<path:object_id>/progress/", view(self.progress_view), name="llmserve_bulkjob_progress"),
+            path(
+                "<path:object_id>/control/<str:action>/",
+                view(require_POST(self.control_view)),
+                name="llmserve_bulkjob_control",
+            ),
+            path(
+                "<path:object_id>/results.<str:fmt>",
+                view(self.results_view),
+                name="llmserve_bulkjob_results",
+            ),
+            *super().get_urls(),
+        ]
+
+    def _job(self, request: HttpRequest, object_id: str, change: bool = False) -> BulkJob:
+        job = get_object_or_404(BulkJob, pk=object_id)
+        allowed = (
+            self.has_change_permission(request, job) if change else self.has_view_permission(request, job)
+        )
+        if not allowed:
+            raise PermissionDenied
+        return job
+
+    def progress_view(self, request: HttpRequest, object_id: str) -> JsonResponse:
+        """What the job page polls while the job runs."""
+        job = self._job(request, object_id)
+        p = services.progress(job)
+        return JsonResponse(
+            {
+                "status": job.status,
+                "status_display": job.get_status_display(),
+                "total": p.total,
+                "done": p.done,
+                "failed": p.failed,
+                "pending": p.pending,
+                "prompt_tokens": p.prompt_tokens,
+                "completion_tokens": p.completion_tokens,
+                "tokens_per_s": round(p.tokens_per_s, 1),
+                "eta_s": p.eta_s,
+                "eta": format_eta(p.eta_s),
+                "active": job.is_active,
+            }
+        )
+
+    def control_view(self, request: HttpRequest, object_id: str, action: str) -> HttpResponseRedirect:
+        if action not in CONTROLS:
+            raise Http404
+        job = self._job(request, object_id, change=True)
+        apply, done = CONTROLS[action]
+        if apply(job):
+            self.message_user(request, done)
+        else:
+            self.message_user(
+                request, _("The job is %(status)s.") % {"status": job.get_status_display()}, messages.WARNING
+            )
+        return HttpResponseRedirect(reverse("admin:llmserve_bulkjob_change", args=[job.pk]))
+
+    def results_view(self, request: HttpRequest, object_id: str, fmt: str) -> HttpResponse:
+        """Every item's result, streamed from the database in chunks."""
+        if fmt not in ("jsonl", "csv"):
+            raise Http404
+        job = self._job(request, object_id)
+        lines = uploads.jsonl_lines if fmt == "jsonl" else uploads.csv_lines
+        content_type = "application/jsonl" if fmt == "jsonl" else "text/csv"
+        response = StreamingHttpResponse(lines(services.iter_results(job)), content_type=content_type)
+        response["Content-Disposition"] = f'attachment; filename="bulk-job-{job.pk}.{fmt}"'
+        return response
+
+    # ----------------------------------------------------------------------------------------- actions
+
+    def _act(self, request: HttpRequest, queryset: QuerySet[BulkJob], apply: Any, message: str) -> None:
+        count = sum(bool(apply(job)) for job in queryset)
         level = messages.SUCCESS if count else messages.WARNING
-        self.message_user(request, ngettext("%d job cancelled.", "%d jobs cancelled.", count) % count, level)
+        self.message_user(request, message % count, level)
+
+    @admin.action(description=_("Pause selected jobs"), permissions=["change"])
+    def pause_jobs(self, request: HttpRequest, queryset: QuerySet[BulkJob]) -> None:
+        self._act(request, queryset, services.pause_job, _("%d job(s) paused."))
+
+    @admin.action(description=_("Resume selected jobs"), permissions=["change"])
+    def resume_jobs(self, request: HttpRequest, queryset: QuerySet[BulkJob]) -> None:
+        self._act(request, queryset, services.resume_job, _("%d job(s) resumed."))
+
+    @admin.action(description=_("Cancel selected jobs"), permissions=["change"])
+    def cancel_jobs(self, request: HttpRequest, queryset: QuerySet[BulkJob]) -> None:
+        self._act(request, queryset, services.cancel_job, _("%d job(s) cancelled."))
+
+
+CONTROLS = {
+    "pause": (services.pause_job, _("Job paused.")),
+    "resume": (services.resume_job, _("Job resumed.")),
+    "cancel": (services.cancel_job, _("Job cancelled.")),
+}
+
+
+def format_eta(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = int(seconds)
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}h {rest // 60:02d}m" if hours else f"{rest // 60}m {rest % 60:02d}s"
+
+
+@admin.register(KeyUsage)
+class KeyUsageAdmin(admin.ModelAdmin):
+    """Per-key accounting of Batch API jobs: what each key's batches used. Read-only."""
+
+    list_display = ("name", "prefix", "jobs", "prompt_tokens", "completion_tokens", "revoked")
+    search_fields = ("name", "prefix")
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet:
+        return (
+            super()
+            .get_queryset(request)
+            .annotate(
+                job_count=Count("bulk_jobs"),
+                prompt_sum=Sum("bulk_jobs__prompt_tokens", default=0),
+                completion_sum=Sum("bulk_jobs__completion_tokens", default=0),
+            )
+        )
+
+    @admin.display(description=_("bulk jobs"), ordering="job_count")
+    def jobs(self, obj: KeyUsage) -> int:
+        return obj.job_count
+
+    @admin.display(description=_("prompt tokens"), ordering="prompt_sum")
+    def prompt_tokens(self, obj: KeyUsage) -> int:
+        return obj.prompt_sum
+
+    @admin.display(description=_("completion tokens"), ordering="completion_sum")
+    def completion_tokens(self, obj: KeyUsage) -> int:
+        return obj.completion_sum
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: KeyUsage | None = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: KeyUsage | None = None) -> bool:
+        return False
 
 
 @admin.register(Batch)

@@ -9,7 +9,10 @@ same shape.
 
 from __future__ import annotations
 
+import io
+import itertools
 import json
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -27,6 +30,7 @@ COMPLETION_WINDOWS = {"24h": timedelta(hours=24)}
 _STATUS = {
     BulkJob.Status.QUEUED: "validating",
     BulkJob.Status.RUNNING: "in_progress",
+    BulkJob.Status.PAUSED: "in_progress",
     BulkJob.Status.CANCELLING: "cancelling",
     BulkJob.Status.CANCELLED: "cancelled",
     BulkJob.Status.COMPLETED: "completed",
@@ -34,11 +38,12 @@ _STATUS = {
 }
 
 
-def parse_input(content: bytes, endpoint: str) -> tuple[str, list[str], list[dict[str, Any]]]:
-    """(model, custom ids, bodies) of a batch input file, or `BadRequest` naming the first bad line."""
-    model, custom_ids, bodies, seen = None, [], [], set()
+def parse_input(content: bytes, endpoint: str) -> Iterator[tuple[str, str, dict[str, Any]]]:
+    """(model, custom id, body) of each request of a batch input file, read line by line (the file is never
+    decoded or split whole); `BadRequest` names the first bad line."""
+    model, seen = None, set()
     param = "input_file_id"
-    for number, raw in enumerate(content.decode("utf-8", errors="replace").splitlines(), 1):
+    for number, raw in enumerate(io.BytesIO(content), 1):
         if not raw.strip():
             continue
         try:
@@ -62,11 +67,9 @@ def parse_input(content: bytes, endpoint: str) -> tuple[str, list[str], list[dic
             raise BadRequest(f"Line {number}: all requests of a batch must use the same model.", param=param)
         model = body["model"]
         seen.add(line.custom_id)
-        custom_ids.append(line.custom_id)
-        bodies.append(body)
+        yield model, line.custom_id, body
     if model is None:
         raise BadRequest("The input file holds no requests.", param=param)
-    return model, custom_ids, bodies
 
 
 def create_batch(
@@ -76,21 +79,29 @@ def create_batch(
     metadata: dict[str, str] | None = None,
     owner: APIKey | None = None,
 ) -> Batch:
+    """A batch over ``input_file``'s requests. The job's items are created while the file is parsed, in one
+    transaction that a bad line rolls back whole."""
     if endpoint not in ENDPOINT_KINDS:
         raise BadRequest(f"`endpoint` must be one of {', '.join(ENDPOINT_KINDS)}.", param="endpoint")
     if completion_window not in COMPLETION_WINDOWS:
         raise BadRequest('`completion_window` must be "24h".', param="completion_window")
     if input_file.purpose != BatchFile.Purpose.BATCH:
         raise BadRequest('The input file\'s purpose must be "batch".', param="input_file_id")
-    model, custom_ids, bodies = parse_input(bytes(input_file.content), endpoint)
+    content = input_file.content
+    parsed = parse_input(content if isinstance(content, bytes) else bytes(content), endpoint)
+    first = next(parsed)  # raises for an empty or bad first request
+    requests = itertools.chain([first], parsed)
+    # create_job reads a body, then its custom id: tee holds at most one request between the two.
+    for_bodies, for_ids = itertools.tee(requests)
     with transaction.atomic():
         job = services.create_job(
-            model,
+            first[0],
             "",
-            bodies,
+            (body for _, _, body in for_bodies),
             kind=ENDPOINT_KINDS[endpoint],
-            custom_ids=custom_ids,
+            custom_ids=(custom_id for _, custom_id, _ in for_ids),
             name=f"batch {input_file.filename}",
+            owner=owner,
         )
         return Batch.objects.create(
             job=job,
@@ -105,49 +116,39 @@ def create_batch(
 def write_result_files(batch: Batch) -> None:
     """The output file (successful requests) and error file (refused ones); each only if it has lines."""
     job = batch.job
-    lines: dict[str, list[str]] = {BulkItem.Status.DONE: [], BulkItem.Status.FAILED: []}
-    for item in job.items.exclude(status=BulkItem.Status.PENDING).order_by("index").iterator():
+    files = {BulkItem.Status.DONE: io.BytesIO(), BulkItem.Status.FAILED: io.BytesIO()}
+    items = (
+        job.items.exclude(status=BulkItem.Status.PENDING)
+        .order_by("index")
+        .only("index", "custom_id", "status", "attempts", "response", "error")
+    )
+    for item in items.iterator(chunk_size=services.CREATE_BATCH):
+        request_id = job.request_id(item.index, item.attempts)
         if item.status == BulkItem.Status.DONE:
-            response = {
-                "status_code": 200,
-                "request_id": job.request_id(item.index, item.attempts),
-                "body": item.response,
-            }
+            response = {"status_code": 200, "request_id": request_id, "body": item.response}
         else:
             error = dict(item.error or {})
             status = error.pop("status_code", 500)
-            response = {
-                "status_code": status,
-                "request_id": job.request_id(item.index, item.attempts),
-                "body": {"error": error},
-            }
-        lines[item.status].append(
-            json.dumps(
-                {
-                    "id": f"batch_req_{item.pk}",
-                    "custom_id": item.custom_id,
-                    "response": response,
-                    "error": None,
-                },
-                ensure_ascii=False,
-            )
-        )
+            response = {"status_code": status, "request_id": request_id, "body": {"error": error}}
+        line = {
+            "id": f"batch_req_{item.pk}",
+            "custom_id": item.custom_id,
+            "response": response,
+            "error": None,
+        }
+        files[item.status].write(json.dumps(line, ensure_ascii=False).encode() + b"\n")
     for status, field, suffix in (
         (BulkItem.Status.DONE, "output_file", "output"),
         (BulkItem.Status.FAILED, "error_file", "errors"),
     ):
-        if lines[status]:
-            content = ("\n".join(lines[status]) + "\n").encode()
-            setattr(
-                batch,
-                field,
-                BatchFile.objects.create(
-                    owner=batch.owner,
-                    purpose=BatchFile.Purpose.BATCH_OUTPUT,
-                    filename=f"{batch.id}_{suffix}.jsonl",
-                    content=content,
-                ),
+        if files[status].tell():
+            created = BatchFile.objects.create(
+                owner=batch.owner,
+                purpose=BatchFile.Purpose.BATCH_OUTPUT,
+                filename=f"{batch.id}_{suffix}.jsonl",
+                content=files[status].getvalue(),
             )
+            setattr(batch, field, created)
     batch.save(update_fields=["output_file", "error_file"])
 
 

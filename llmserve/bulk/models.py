@@ -1,9 +1,11 @@
 """Bulk jobs and their items; the OpenAI Batch API's files and batches, which are bulk jobs underneath.
 
-Exactly-once results rest on the database, not on the broker: an item's result lives in the item's own row
-and is written by one conditional ``UPDATE ... WHERE status = 'pending'``, so a second writer (a redelivered
-task, a stale attempt) changes nothing. Items are claimed with a compare-and-swap on ``attempts`` plus a
-lease, so a killed worker's items become claimable again once their lease runs out.
+Exactly-once results rest on the database, not on the broker: an item is claimed by setting its ``runner``
+(a conditional ``UPDATE ... WHERE runner IS NULL``), and its result is written only ``WHERE status =
+'pending' AND runner = <the writer>``, so a second writer (a redelivered task, a runner declared dead) changes
+nothing. A runner is a row with a heartbeat: deleting it (its task was redelivered, its process is gone, its
+heartbeat went stale) frees its items at once (``runner`` becomes NULL), and the next runner reattaches to
+their still-running engine requests rather than generating them again (see `BulkJob.request_id`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ import uuid
 from typing import Any
 
 from django.db import models
+from django.db.models import Q
 from django.utils.translation import gettext_lazy as _
+
+from llmserve.models import APIKey
 
 
 class BulkJob(models.Model):
@@ -31,12 +36,13 @@ class BulkJob(models.Model):
     class Status(models.TextChoices):
         QUEUED = "queued", _("queued")
         RUNNING = "running", _("running")
+        PAUSED = "paused", _("paused")
         CANCELLING = "cancelling", _("cancelling")
         CANCELLED = "cancelled", _("cancelled")
         COMPLETED = "completed", _("completed")
         FAILED = "failed", _("failed")
 
-    ACTIVE = (Status.QUEUED, Status.RUNNING, Status.CANCELLING)
+    ACTIVE = (Status.QUEUED, Status.RUNNING, Status.PAUSED, Status.CANCELLING)
 
     uid = models.UUIDField(
         default=uuid.uuid4, unique=True, editable=False, help_text=_("Namespaces the job's bus request ids.")
@@ -60,8 +66,28 @@ class BulkJob(models.Model):
         _("status"), max_length=10, choices=Status.choices, default=Status.QUEUED, db_index=True
     )
     error = models.TextField(_("error"), blank=True)
+    owner = models.ForeignKey(
+        "llmserve.APIKey",
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="bulk_jobs",
+        verbose_name=_("API key"),
+        help_text=_("The key whose Batch API call created the job; its rate limit paces the job."),
+    )
+    # Counters kept by the runners in the transaction that stores each batch of results, so that progress is
+    # one row read however many items the job has.
+    total = models.PositiveIntegerField(_("items"), default=0)
+    done = models.PositiveIntegerField(_("done"), default=0)
+    failed = models.PositiveIntegerField(_("failed"), default=0)
+    prompt_tokens = models.PositiveBigIntegerField(_("prompt tokens"), default=0)
+    completion_tokens = models.PositiveBigIntegerField(_("completion tokens"), default=0)
     created_at = models.DateTimeField(_("created"), auto_now_add=True)
     started_at = models.DateTimeField(_("started"), null=True, blank=True)
+    paused_at = models.DateTimeField(_("paused"), null=True, blank=True)
+    paused_seconds = models.FloatField(
+        default=0.0, help_text=_("Time spent paused, left out of tokens/s and the ETA.")
+    )
     cancelled_at = models.DateTimeField(_("cancelled"), null=True, blank=True)
     finished_at = models.DateTimeField(_("finished"), null=True, blank=True)
 
@@ -78,10 +104,32 @@ class BulkJob(models.Model):
         return self.status in self.ACTIVE
 
     def request_id(self, index: int, attempt: int) -> str:
-        """The bus request id of one attempt at one item: deterministic, so a canceller or a later attempt
-        can abort an earlier attempt's request without having been told its id, and the bus refuses a
-        duplicate."""
+        """The bus request id of one attempt at one item. Deterministic, so a canceller can abort it without
+        having been told it, and a runner that takes over a dead runner's item finds the request already
+        running (the bus keeps each id once) and reads its output instead of generating it again."""
         return f"bulk-{self.uid.hex}-{index}-{attempt}"
+
+
+class BulkRunner(models.Model):
+    """One running task of a job: its heartbeat and how many requests it has on the bus.
+
+    A runner is alive while ``heartbeat_at`` is recent (``BULK_RUNNER_TIMEOUT``). Deleting the row frees its
+    items. ``in_flight`` lets the runners of every job on a model share the engines' capacity.
+    """
+
+    job = models.ForeignKey(BulkJob, on_delete=models.CASCADE, related_name="runners")
+    task_id = models.CharField(max_length=255, db_index=True)
+    worker = models.CharField(max_length=255, help_text=_("host:pid of the process running it."))
+    started_at = models.DateTimeField(auto_now_add=True)
+    heartbeat_at = models.DateTimeField(db_index=True)
+    in_flight = models.PositiveIntegerField(default=0)
+
+    class Meta:
+        verbose_name = _("bulk runner")
+        verbose_name_plural = _("bulk runners")
+
+    def __str__(self) -> str:
+        return f"runner {self.pk} of job {self.job_id} on {self.worker}"
 
 
 class BulkItem(models.Model):
@@ -95,8 +143,15 @@ class BulkItem(models.Model):
     custom_id = models.CharField(_("custom id"), max_length=256, blank=True)
     input = models.JSONField(_("input"), help_text=_("Template fields, or a whole request body."))
     status = models.CharField(_("status"), max_length=10, choices=Status.choices, default=Status.PENDING)
-    attempts = models.PositiveIntegerField(_("attempts"), default=0)
-    lease_until = models.DateTimeField(null=True, blank=True)
+    attempts = models.PositiveIntegerField(
+        _("attempts"), default=0, help_text=_("Number of the item's current engine request (0: none yet).")
+    )
+    runner = models.ForeignKey(
+        BulkRunner, null=True, blank=True, on_delete=models.SET_NULL, related_name="+", editable=False
+    )
+    retry_at = models.DateTimeField(
+        null=True, blank=True, help_text=_("Not claimed before this time (a backoff after an engine outage).")
+    )
     output = models.TextField(_("output"), blank=True)
     response = models.JSONField(
         _("response"), null=True, blank=True, help_text=_("The OpenAI response body, for Batch API items.")
@@ -111,10 +166,25 @@ class BulkItem(models.Model):
         verbose_name_plural = _("bulk items")
         ordering = ("job", "index")
         constraints = (models.UniqueConstraint(fields=("job", "index"), name="llmserve_bulkitem_unique"),)
-        indexes = (models.Index(fields=("job", "status"), name="llmserve_bulkitem_job_status"),)
+        indexes = (
+            models.Index(fields=("job", "status"), name="llmserve_bulkitem_job_status"),
+            # Claims walk a job's pending items in order, however many are already done.
+            models.Index(
+                fields=("job", "index"), condition=Q(status="pending"), name="llmserve_bulkitem_pending"
+            ),
+        )
 
     def __str__(self) -> str:
         return f"{self.job_id}#{self.index}"
+
+
+class KeyUsage(APIKey):
+    """An API key as the bulk admin shows it: the tokens of the Batch API jobs it created."""
+
+    class Meta:
+        proxy = True
+        verbose_name = _("bulk usage of an API key")
+        verbose_name_plural = _("bulk usage per API key")
 
 
 def _file_id() -> str:

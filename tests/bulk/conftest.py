@@ -1,6 +1,7 @@
-"""A real stack for bulk jobs: the web tests' stack (redis-server, engine, SQLite file, daphne) plus a Celery
-worker, all on the settings of `tests.bulk.settings`. The test process talks to the same SQLite file (not a
-pytest-django test database: the worker must see the rows) and the same Redis."""
+"""A real stack for bulk jobs: the web tests' stack (redis-server, engine, daphne) plus a Celery worker and
+the stack's own database (PostgreSQL when one answers on the loopback), all on the settings of
+`tests.bulk.settings`. The test process talks to the same database (not a pytest-django test database: the
+worker must see the rows) and the same Redis."""
 
 from __future__ import annotations
 
@@ -30,22 +31,24 @@ TEMPLATE = "Summarise the following document:\n\n{document}"
 PARAMS = {"temperature": 0.0, "max_tokens": 8}
 
 
-@pytest.fixture(scope="session")
-def bulk_stack(django_db_blocker: pytest.FixtureRequest) -> Iterator[BulkStack]:
+@pytest.fixture(scope="package")
+def bulk_stack(django_db_blocker: Any) -> Iterator[BulkStack]:
     stack = BulkStack(engine_flags=engine_flags(max_num_seqs=16))
-    stack.start()
     connection = connections["default"]
     previous_settings = dict(connection.settings_dict)
     # Earlier tests may have left the connection on pytest-django's in-memory test database, which Django
-    # never closes (closing would destroy it): park that connection and open the stack's file instead.
-    previous_connection, connection.connection = connection.connection, None
-    connection.settings_dict.update(dj_database_url.parse(stack.database.url))
+    # never closes (closing would destroy it): park that connection and open the stack's database instead.
+    previous_connection = connection.connection
     try:
+        stack.start()
+        connection.connection = None
+        connection.settings_dict.update(dj_database_url.parse(stack.database.url))
         with django_db_blocker.unblock(), override_settings(LLMSERVE={"REDIS_URL": stack.redis.url}):
             celery_app.conf.broker_url = stack.redis.url
             yield stack
     finally:
-        connection.close()
+        if connection.connection is not previous_connection:
+            connection.close()
         connection.settings_dict.clear()
         connection.settings_dict.update(previous_settings)
         connection.connection = previous_connection

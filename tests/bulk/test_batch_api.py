@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import io
 import json
+import time
+import urllib.error
+import urllib.request
 
 import openai
 import pytest
@@ -11,8 +14,9 @@ from django.contrib.auth.models import User
 from django.test import Client
 from django.urls import reverse
 
-from llmserve.bulk import batches
-from llmserve.bulk.models import BulkJob
+from llmserve.bulk import batches, services
+from llmserve.bulk.models import BatchFile, BulkJob
+from llmserve.models import APIKey
 
 from .conftest import PARAMS, TEMPLATE, BulkStack, wait_until
 
@@ -129,8 +133,8 @@ def test_parse_input_names_the_bad_line() -> None:
         b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", '
         b'"body": {"model": "m", "prompt": "x"}}'
     )
-    parsed = batches.parse_input(ok + b"\n\n", "/v1/completions")
-    assert parsed == ("m", ["a"], [{"model": "m", "prompt": "x"}])
+    parsed = list(batches.parse_input(ok + b"\n\n", "/v1/completions"))
+    assert parsed == [("m", "a", {"model": "m", "prompt": "x"})]
     for content, message in (
         (b"nope", "Line 1"),
         (ok + b"\n" + ok, "duplicate"),
@@ -138,7 +142,7 @@ def test_parse_input_names_the_bad_line() -> None:
         (b"", "no requests"),
     ):
         with pytest.raises(batches.BadRequest, match=message):
-            batches.parse_input(content, "/v1/completions")
+            list(batches.parse_input(content, "/v1/completions"))
 
 
 def test_admin_upload_progress_and_cancel(bulk_stack: BulkStack) -> None:
@@ -177,3 +181,63 @@ def test_admin_upload_progress_and_cancel(bulk_stack: BulkStack) -> None:
     wait_until(lambda: BulkJob.objects.get(pk=job.pk).status == "cancelled", 60, "the job to be cancelled")
     items = browser.get(reverse("admin:llmserve_bulkitem_changelist") + f"?job__id__exact={job.pk}")
     assert items.status_code == 200 and "40 bulk items" in items.content.decode()
+
+
+def models_status(stack: BulkStack, raw_key: str) -> int:
+    request = urllib.request.Request(
+        stack.base_url + "/v1/models", headers={"Authorization": f"Bearer {raw_key}"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            return reply.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_batch_tokens_per_key_and_its_rate_limit(bulk_stack: BulkStack) -> None:
+    """A Batch API job's requests count against its key's requests-per-minute limit, as the same requests
+    through the REST API would (the job waits for the next minute rather than fail), each request once; and
+    its tokens are accounted to the job and to the key."""
+    key, _ = APIKey.objects.create_key("batch owner", rate_limit=3)
+    content = batch_file(bulk_stack.model, 5)
+    content = b"\n".join(content.splitlines()[:5])  # without the too-long request
+    upload = BatchFile.objects.create(owner=key, purpose="batch", filename="five.jsonl", content=content)
+    roomy, roomy_secret = APIKey.objects.create_key("roomy batch owner", rate_limit=6)
+    four = b"\n".join(content.splitlines()[:4])
+    roomy_upload = BatchFile.objects.create(owner=roomy, purpose="batch", filename="four.jsonl", content=four)
+    # Start early in a rate-limit window, so that the jobs cannot reach the next one.
+    if time.time() % 60 > 20:
+        time.sleep(61 - time.time() % 60)
+    window = time.time() // 60
+    batch = batches.create_batch(upload, "/v1/chat/completions", owner=key)
+    roomy_job = batches.create_batch(roomy_upload, "/v1/chat/completions", owner=roomy).job
+    job = batch.job
+    assert job.owner == key
+    wait_until(lambda: BulkJob.objects.get(pk=job.pk).done == 3, 45, "three requests done")
+    # The roomy key's four requests left it two of its six: the job counted nothing it did not send.
+    wait_until(lambda: not BulkJob.objects.get(pk=roomy_job.pk).is_active, 45, "the roomy batch to complete")
+    assert [models_status(bulk_stack, roomy_secret) for _ in range(3)] == [200, 200, 429]
+    assert time.time() // 60 == window, "the rate-limit window turned during the test: too slow to tell"
+    time.sleep(3)
+    job.refresh_from_db()
+    assert (job.done, job.status) == (3, BulkJob.Status.RUNNING)  # the other two wait for the next minute
+    done = job.items.filter(status="done")
+    assert (job.prompt_tokens, job.completion_tokens) == (
+        sum(done.values_list("prompt_tokens", flat=True)),
+        sum(done.values_list("completion_tokens", flat=True)),
+    )
+    assert job.completion_tokens > 0
+    assert services.key_usage(key) == {
+        "jobs": 1,
+        "prompt_tokens": job.prompt_tokens,
+        "completion_tokens": job.completion_tokens,
+    }
+    admin, _ = User.objects.get_or_create(
+        username="bulk-admin", defaults={"is_staff": True, "is_superuser": True}
+    )
+    browser = Client()
+    browser.force_login(admin)
+    usage = browser.get(reverse("admin:llmserve_keyusage_changelist")).content.decode()
+    assert "batch owner" in usage and f">{job.completion_tokens}<" in usage
+    assert services.cancel_job(job)
+    wait_until(lambda: BulkJob.objects.get(pk=job.pk).status == "cancelled", 30, "the batch to be cancelled")

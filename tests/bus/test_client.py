@@ -14,6 +14,7 @@ from inference_engine.errors import (
     EngineUnavailableError,
     InvalidRequestError,
     ModelNotFoundError,
+    RequestAbortedError,
 )
 from inference_engine.sampling_params import SamplingParams
 
@@ -214,6 +215,34 @@ def test_async_cancellation_is_never_swallowed(redis_server, prefix, engine, ser
             await _settled(engine)
         finally:
             await client.close()
+
+    asyncio.run(main())
+
+
+def test_attach_reads_a_request_another_client_submitted(redis_server, prefix, engine, serve):
+    """`attach` reads a request from its first entry, as a bulk task that took over another's items does,
+    and refuses one that was aborted (an engine that finds it aborted in the queue drops it silently)."""
+    params = {"max_tokens": 4, "temperature": 0}
+    expected = generate_offline(engine, "hey", params).outputs[0].text
+    serve()
+
+    async def main():
+        options = {"prefix": prefix, "ack_timeout": 5, "stream_timeout": 5}
+        submitter, reader = (AsyncEngineClient(redis_server.url, **options) for _ in range(2))
+        try:
+            async with await submitter.generate(MODEL, "hey", params, request_id="shared") as stream:
+                submitted = await stream.result()
+            async with await reader.attach(MODEL, "shared") as attached:
+                assert (await attached.result()).outputs[0].text == submitted.outputs[0].text == expected
+
+            stream = await submitter.generate(MODEL, "long", {"max_tokens": 400, "ignore_eos": True})
+            await stream.abort()
+            with pytest.raises(RequestAbortedError):
+                await reader.attach(MODEL, stream.request_id)
+            await _settled(engine)
+        finally:
+            await submitter.close()
+            await reader.close()
 
     asyncio.run(main())
 
