@@ -32,7 +32,12 @@ import redis
 from inference_engine.bus import protocol as P
 from inference_engine.bus.deltas import DeltaTracker
 from inference_engine.bus.heartbeat import Heartbeat, new_replica_id
-from inference_engine.errors import EngineError, EngineUnavailableError, InvalidRequestError
+from inference_engine.errors import (
+    EngineError,
+    EngineUnavailableError,
+    InvalidRequestError,
+    RequestAbortedError,
+)
 from inference_engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -294,7 +299,11 @@ class EngineServer:
                 pipe.exists(self.keys.abort(message.id))
             aborted = pipe.execute()
         for (stream, entry_id, _), message, was_aborted in zip(entries, messages, aborted, strict=True):
-            if was_aborted:
+            if was_aborted:  # ended for anyone still reading its output (a bulk runner that reattached)
+                if isinstance(message, P.Generate):
+                    self._writes.append(
+                        (message.id, P.Error.of(RequestAbortedError("the request was aborted.")))
+                    )
                 self._done.append((stream, entry_id))
             elif stream == self.util_stream:
                 self._answer_utility(entry_id, message)
@@ -488,7 +497,10 @@ class EngineServer:
         last = self.redis.xrevrange(self.keys.output(rid), count=1)
         seen = P.parse(last[0][1]).type if last else None
         log.warning("replica %s takes over request %s (last output: %s)", self.replica_id, rid, seen)
-        if seen in (P.FINAL, P.ERROR) or self.redis.exists(self.keys.abort(rid)):
+        if seen in (P.FINAL, P.ERROR):
+            self._done.append((stream, entry_id))
+        elif self.redis.exists(self.keys.abort(rid)):
+            self._writes.append((rid, P.Error.of(RequestAbortedError("the request was aborted."))))
             self._done.append((stream, entry_id))
         elif seen == P.DELTA:
             self._writes.append(
