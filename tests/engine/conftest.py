@@ -5,7 +5,6 @@ Correctness is judged against transformers: same GGUF file, loaded by its own GG
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
@@ -89,30 +88,13 @@ def llm() -> LLM:
 
 
 @pytest.fixture(scope="session")
-def hf_folder(tmp_path_factory, llm: LLM):
-    """The bundled model as a Hugging Face folder written by transformers (config.json, safetensors)."""
-    transformers = pytest.importorskip("transformers")
-    folder = tmp_path_factory.mktemp("smollm2-hf")
-    path = default_model_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    )
-    config = model.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    dense = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    dense.load_state_dict(model.state_dict(), strict=False)
-    dense.tie_weights()
-    dense.save_pretrained(folder)
-    tokenizer = llm.get_tokenizer()
-    tokenizer.backend.save(str(folder / "tokenizer.json"))
-    tokenizer_config = {
-        "eos_token": "<|im_end|>",
-        "bos_token": "<|im_start|>",
-        "chat_template": tokenizer.chat_template,
-    }
-    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
-    return folder
+def hf_folder():
+    """The bundled model as a Hugging Face folder written by transformers (config.json, safetensors), built
+    once per machine and cached (see quant_checkpoints)."""
+    pytest.importorskip("transformers")
+    from .quant_checkpoints import dense_folder
+
+    return dense_folder()
 
 
 @pytest.fixture
