@@ -248,15 +248,19 @@ class Error(Message):
     type: ClassVar[str] = "error"
     code: str
     message: str
+    param: str | None = None  # the request field at fault, where the error names one
 
     @classmethod
     def of(cls, exc: BaseException) -> Error:
         code = exc.code if isinstance(exc, EngineError) else EngineError.code
-        return cls(code, str(exc) or type(exc).__name__)
+        return cls(code, str(exc) or type(exc).__name__, getattr(exc, "param", None))
 
     def exception(self) -> EngineError:
         """The typed exception the engine raised."""
-        return ERRORS_BY_CODE.get(self.code, EngineError)(self.message)
+        exc = ERRORS_BY_CODE.get(self.code, EngineError)(self.message)
+        if self.param is not None:
+            exc.param = self.param
+        return exc
 
 
 @dataclass
