@@ -42,6 +42,7 @@ ENGINE_FLAGS: list[tuple[str, type]] = [
     ("--gguf-file", str),
     ("--tensor-parallel-size", int),
     ("--speculative-config", json.loads),  # JSON, as vLLM's flag
+    ("--tool-call-parser", str),
 ]
 
 

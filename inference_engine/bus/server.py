@@ -85,7 +85,7 @@ class EngineServer:
         self.low_stream = self.keys.low_priority_requests(self.model)
         self.streams = (self.req_stream, self.low_stream, self.util_stream)
         self._live: dict[str, _Live] = {}
-        self._unacked: dict[str, int] = {}  # live requests waiting for their grammar: prompt token count
+        self._unacked: dict[str, P.Ack] = {}  # live requests waiting for their grammar: their ack
         self._writes: list[tuple[str, P.Message]] = []
         self._done: list[tuple[str, str]] = []  # (stream, entry id) to XACK + XDEL after the writes
         self._expire_set: dict[str, float] = {}  # request id -> when its output stream's TTL was last set
@@ -316,10 +316,13 @@ class EngineServer:
             self._done.append((stream, entry_id))
             return
         self._live[rid] = _Live(stream, entry_id, DeltaTracker(len(prompt_ids)), params.n)
+        ack = P.Ack(len(prompt_ids), self.replica_id)
+        if message.tools:
+            ack.tool_parser = self.engine.config.tool_call_parser
         if self.engine.preparing(rid):  # acknowledged (or refused) once its grammar has compiled
-            self._unacked[rid] = len(prompt_ids)
+            self._unacked[rid] = ack
         else:
-            self._writes.append((rid, P.Ack(len(prompt_ids), self.replica_id)))
+            self._writes.append((rid, ack))
 
     def _acknowledge_prepared(self) -> None:
         """Acks the requests whose grammar compiled (ahead of this step's deltas); refuses those whose
@@ -327,16 +330,17 @@ class EngineServer:
         for rid, error in self.engine.pop_refused().items():
             if rid in self._live:
                 self._fail(rid, error)
-        for rid, prompt_tokens in list(self._unacked.items()):
+        for rid, ack in list(self._unacked.items()):
             if not self.engine.preparing(rid):
                 del self._unacked[rid]
-                self._writes.append((rid, P.Ack(prompt_tokens, self.replica_id)))
+                self._writes.append((rid, ack))
 
     def _prompt(self, message: P.Generate | P.Tokenize) -> str | list[int]:
         if message.messages is not None:
             try:
                 template = self.engine.tokenizer.apply_chat_template
-                return template(message.messages, add_generation_prompt=True)
+                tools = getattr(message, "tools", None)
+                return template(message.messages, add_generation_prompt=True, tools=tools)
             except Exception as exc:
                 raise InvalidRequestError(f"cannot apply the chat template: {exc}") from exc
         if message.prompt_token_ids is not None:
