@@ -159,6 +159,7 @@ class JobRunner:
             request.prompt,
             request.params,
             messages=request.messages,
+            tools=request.tools,
             request_id=self.job.request_id(flight.index, flight.attempt),
             priority=self.job.priority,
         ) as stream:
