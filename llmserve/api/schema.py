@@ -241,7 +241,7 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: Logprobs | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    tools: list[ChatTool] | None = None
+    tools: Annotated[list[ChatTool], Field(min_length=1)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description='Default: "auto" with tools.'
     )
