@@ -258,7 +258,9 @@ class LLMEngine:
         touched: dict[str, SequenceGroup] = {}
         finished: list[Sequence] = []
         now = time.time()
-        allowed = dict(zip(constrained, masks.result(), strict=True)) if masks is not None else None
+        allowed = (
+            dict(zip(constrained, self.structured.masks(masks), strict=True)) if masks is not None else None
+        )
         for seq, results in self._sample(out, allowed):
             drafts = len(seq.draft_token_ids)
             for result in results:

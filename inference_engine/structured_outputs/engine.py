@@ -67,6 +67,7 @@ class StructuredOutputs:
         self._masker = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
         self._lock = threading.Lock()
         self.mask_seconds = 0.0  # time spent filling masks (on the mask thread)
+        self.mask_wait_seconds = 0.0  # time the step loop waited for them after the model's forward pass
         self.mask_rows = 0
 
     # --- grammars -----------------------------------------------------------------------------------
@@ -118,6 +119,13 @@ class StructuredOutputs:
         """Starts filling the masks of `matchers` (one row each, int32 bit words) on the mask thread, so
         that they are ready when the step's logits are."""
         return self._masker.submit(self._fill, matchers)
+
+    def masks(self, filling: Future[torch.Tensor]) -> torch.Tensor:
+        """The masks `fill_masks` started, once they are filled."""
+        started = time.perf_counter()
+        bits = filling.result()
+        self.mask_wait_seconds += time.perf_counter() - started
+        return bits
 
     def _fill(self, matchers: list[GrammarMatcher]) -> torch.Tensor:
         started = time.perf_counter()
