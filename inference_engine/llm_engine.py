@@ -118,16 +118,22 @@ class LLMEngine:
             if any(not 0 <= t < self.tokenizer.vocab_size for t in token_ids):
                 raise InvalidRequestError("prompt token ids must be in [0, vocab_size).")
         params = self._check_lengths(token_ids, params)
+        spec = params.structured_outputs
+        grammar = self.structured.compile(spec) if spec is not None else None
+        if grammar is not None and grammar.done() and grammar.exception() is not None:
+            raise _refusal(grammar.exception())  # a constraint already known to be bad
         group = SequenceGroup(request_id, text, token_ids, params, priority, arrival_time or time.time())
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None]
         self.groups[request_id] = group
         seq = self._new_sequence(group, token_ids, index=0)
-        if params.structured_outputs is None:
+        if grammar is None:
+            self.scheduler.add(seq)
+        elif grammar.done():
+            seq.grammar = self.structured.matcher(grammar.result())
             self.scheduler.add(seq)
         else:
-            self._preparing[request_id] = (group, self.structured.compile(params.structured_outputs))
-            self._admit_prepared()
+            self._preparing[request_id] = (group, grammar)
         return token_ids
 
     def preparing(self, request_id: str) -> bool:
@@ -148,9 +154,7 @@ class LLMEngine:
             error = future.exception()
             if error is not None:
                 del self.groups[request_id]
-                self._refused[request_id] = (
-                    error if isinstance(error, EngineError) else InvalidRequestError(str(error))
-                )
+                self._refused[request_id] = _refusal(error)
                 continue
             seq = group.seqs[0]
             seq.grammar = self.structured.matcher(future.result())
@@ -448,3 +452,11 @@ class LLMEngine:
             s["num_preemptions"],
         )
         self._last_log, self._logged_tokens = now, self.generation_tokens_total
+
+
+def _refusal(error: BaseException) -> EngineError:
+    """A failed grammar compile as the error of one request (a compiled grammar's error is shared by every
+    request with the same constraint)."""
+    if isinstance(error, InvalidRequestError):
+        return InvalidRequestError(str(error), param=error.param)
+    return InvalidRequestError(f"the constraint could not be compiled: {error}")

@@ -423,3 +423,24 @@ async def test_websocket_chat_takes_response_format_and_tools(stack) -> None:
         )
     finally:
         ws.close()
+
+
+def test_the_engine_refuses_a_bad_constraint_instead_of_acknowledging_it(stack) -> None:
+    """Past the web tier (a client on the bus itself): the engine compiles the grammar before it acknowledges
+    the request, so a bad one is refused where the ack would be, with its field, however often it comes."""
+    from inference_engine.bus.client import EngineClient
+    from inference_engine.errors import InvalidRequestError
+
+    client = EngineClient(stack.redis.url)
+    try:
+        bad = {"max_tokens": 8, "structured_outputs": {"json": {"type": "object", "uniqueItems": True}}}
+        for _ in range(2):  # the second time from the compiled-grammar cache
+            with pytest.raises(InvalidRequestError) as refused:
+                client.generate(stack.model, "Hi", bad)
+            assert refused.value.param == "structured_outputs.json"
+        params = {"max_tokens": 40, "temperature": 0, "structured_outputs": {"choice": ["red", "blue"]}}
+        stream = client.generate(stack.model, messages=ASK, tools=TOOLS, params=params)
+        assert stream.tool_parser == "hermes"
+        assert stream.result().outputs[0].text in ("red", "blue")
+    finally:
+        client.close()
