@@ -302,7 +302,7 @@ def test_langchain_structured_output_and_bind_tools(stack) -> None:
         """The current weather in a city."""
         return "sunny"
 
-    answer = llm.bind_tools([get_weather]).invoke("What is the weather in Paris?")
+    answer = llm.bind_tools([get_weather]).invoke("What is the weather in Paris?", max_tokens=16)
     assert isinstance(answer, AIMessage)
     forced = llm.bind_tools([get_weather], tool_choice="any").invoke("What is the weather in Paris?")
     assert forced.tool_calls and forced.tool_calls[0]["name"] == "get_weather"
@@ -348,7 +348,7 @@ def test_responses_api_tools_and_text_format(client, stack) -> None:
         input=[{"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny"}],
         tools=tools,
         temperature=0,
-        max_output_tokens=20,
+        max_output_tokens=10,
     )
     assert follow_up.status in ("completed", "incomplete")
     events = list(
