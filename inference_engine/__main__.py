@@ -47,6 +47,7 @@ ENGINE_FLAGS: list[tuple[str, type]] = [
     ("--master-port", int),
     ("--nnodes", int),
     ("--speculative-config", json.loads),  # JSON, as vLLM's flag
+    ("--tool-call-parser", str),
 ]
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from inference_engine.errors import InvalidRequestError
+from inference_engine.tool_parsers import PARSERS
 
 QUANTIZATION_METHODS = ("awq", "gptq", "gguf", "int8", "none")
 CHECKPOINT_METHODS = ("awq", "gptq", "gguf")  # what a checkpoint itself can declare
@@ -45,6 +46,7 @@ class EngineConfig:
     enforce_eager: bool = False  # CUDA: run every step eagerly instead of replaying captured CUDA graphs
     max_pending_requests: int = 4096  # admission bound: beyond it add_request raises EngineOverloadedError
     log_stats_interval: float = 10.0  # seconds between stats log lines; 0 disables
+    tool_call_parser: str = "hermes"  # the model's tool-call format (vLLM's --tool-call-parser)
 
     @property
     def distributed_init_method(self) -> str:
@@ -71,6 +73,10 @@ class EngineConfig:
             raise InvalidRequestError("ranks on several machines need an agreed master_addr and master_port.")
         if self.swap_space < 0:
             raise InvalidRequestError("swap_space must be non-negative.")
+        if self.tool_call_parser not in PARSERS:
+            raise InvalidRequestError(
+                f"unknown tool_call_parser {self.tool_call_parser!r} (known: {', '.join(PARSERS)})."
+            )
 
 
 def engine_flags(engine_args: dict[str, Any]) -> list[str]:

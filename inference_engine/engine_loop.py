@@ -129,6 +129,10 @@ class EngineLoop:
                 if output.finished:
                     del self._sinks[output.request_id]
                 self._deliver(sink, output)
+            for request_id, error in self.engine.pop_refused().items():  # their grammar failed to compile
+                sink = self._sinks.pop(request_id, None)
+                if sink is not None:
+                    self._deliver(sink, error)
         return True
 
     def _drop(self, request_ids: list[str], owner: Sink | None) -> None:

@@ -12,9 +12,14 @@ class EngineError(Exception):
 
 
 class InvalidRequestError(EngineError, ValueError):
-    """The request can never be served as given (bad parameter, prompt too long, ...)."""
+    """The request can never be served as given (bad parameter, prompt too long, ...). `param` names the
+    request field at fault where one is (the API's error ``param``)."""
 
     code = "invalid_request"
+
+    def __init__(self, message: str = "", param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class ModelNotFoundError(EngineError, LookupError):

@@ -3,6 +3,12 @@
 `LLMEngine` ties the tokenizer, scheduler, block manager, model runner, sampler and detokenizer
 together. It is synchronous and single-threaded on purpose: the offline `LLM` calls `step()` in a
 loop, and the engine process interleaves it with reading the request bus.
+
+Structured-output requests are the exception that proves it: their grammar compiles on a thread of its own
+(`structured_outputs.engine`) while the request waits outside the scheduler (`preparing`), and a grammar
+llguidance refuses drops the request at the next step (`pop_refused`). Each step the masks of the
+constrained sequences are filled on another thread while the model runs, and every accepted token advances
+its sequence's matcher; a grammar that is complete ends its sequence (finish_reason "stop").
 """
 
 from __future__ import annotations
@@ -10,21 +16,23 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 import torch
 
 from inference_engine.block_manager import BlockManager
 from inference_engine.config import EngineConfig
 from inference_engine.detokenizer import IncrementalDetokenizer
-from inference_engine.errors import EngineOverloadedError, InvalidRequestError
+from inference_engine.errors import EngineError, EngineOverloadedError, InvalidRequestError
 from inference_engine.model_loader import load_configured_model
 from inference_engine.model_runner import ModelRunner, StepOutput
 from inference_engine.outputs import CompletionOutput, Logprob, RequestOutput
-from inference_engine.sampler import Sampler, SampleResult
+from inference_engine.sampler import Sampler, SampleResult, TokenBitmask
 from inference_engine.sampling_params import SamplingParams
 from inference_engine.scheduler import Scheduler
 from inference_engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from inference_engine.speculative import NgramConfig, NgramProposer
+from inference_engine.structured_outputs.engine import StructuredOutputs
 from inference_engine.tp_workers import TPWorkers, check_tensor_parallel
 
 logger = logging.getLogger(__name__)
@@ -58,7 +66,10 @@ class LLMEngine:
             else None
         )
         self.sampler = Sampler(self.tokenizer.eos_token_ids, config.seed)
+        self.structured = StructuredOutputs(self.tokenizer, loaded.config.vocab_size)
         self.groups: dict[str, SequenceGroup] = {}
+        self._preparing: dict[str, tuple[SequenceGroup, Future]] = {}  # waiting for their grammar
+        self._refused: dict[str, EngineError] = {}  # dropped because their grammar failed to compile
         self._next_seq_id = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -79,6 +90,8 @@ class LLMEngine:
         """Stops the other tensor-parallel ranks, if any (they also die with this process)."""
         if self.workers is not None:
             self.workers.stop()
+        if hasattr(self, "structured"):
+            self.structured.shutdown()
 
     # --- requests ---------------------------------------------------------------------------------
 
@@ -90,7 +103,10 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
     ) -> list[int]:
-        """Validates and queues a request; returns its prompt token ids. Raises before queueing anything."""
+        """Validates and queues a request; returns its prompt token ids. Raises before queueing anything.
+
+        A structured-output request first waits for its grammar (`preparing`); if llguidance refuses the
+        grammar, a later `step()` drops the request and `pop_refused()` hands over the error."""
         if request_id in self.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already running.")
         if len(self.groups) >= self.config.max_pending_requests:
@@ -102,12 +118,47 @@ class LLMEngine:
             if any(not 0 <= t < self.tokenizer.vocab_size for t in token_ids):
                 raise InvalidRequestError("prompt token ids must be in [0, vocab_size).")
         params = self._check_lengths(token_ids, params)
+        spec = params.structured_outputs
+        grammar = self.structured.compile(spec) if spec is not None else None
+        if grammar is not None and grammar.done() and grammar.exception() is not None:
+            raise _refusal(grammar.exception())  # a constraint already known to be bad
         group = SequenceGroup(request_id, text, token_ids, params, priority, arrival_time or time.time())
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None]
         self.groups[request_id] = group
-        self.scheduler.add(self._new_sequence(group, token_ids, index=0))
+        seq = self._new_sequence(group, token_ids, index=0)
+        if grammar is None:
+            self.scheduler.add(seq)
+        elif grammar.done():
+            seq.grammar = self.structured.matcher(grammar.result())
+            self.scheduler.add(seq)
+        else:
+            self._preparing[request_id] = (group, grammar)
         return token_ids
+
+    def preparing(self, request_id: str) -> bool:
+        """Whether the request still waits for its grammar to compile."""
+        return request_id in self._preparing
+
+    def pop_refused(self) -> dict[str, EngineError]:
+        """Requests dropped since the last call because their grammar failed to compile, with the error."""
+        refused, self._refused = self._refused, {}
+        return refused
+
+    def _admit_prepared(self) -> None:
+        """Queues the requests whose grammar has compiled; drops those whose grammar failed."""
+        for request_id, (group, future) in list(self._preparing.items()):
+            if not future.done():
+                continue
+            del self._preparing[request_id]
+            error = future.exception()
+            if error is not None:
+                del self.groups[request_id]
+                self._refused[request_id] = _refusal(error)
+                continue
+            seq = group.seqs[0]
+            seq.grammar = self.structured.matcher(future.result())
+            self.scheduler.add(seq)
 
     def _check_lengths(self, token_ids: list[int], params: SamplingParams) -> SamplingParams:
         n = len(token_ids)
@@ -157,6 +208,7 @@ class LLMEngine:
             group = self.groups.pop(rid, None)
             if group is None:
                 continue
+            self._preparing.pop(rid, None)
             for seq in group.seqs:
                 self._retire(seq)
                 seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
@@ -181,16 +233,26 @@ class LLMEngine:
     # --- the loop ---------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        self._admit_prepared()
         if self.proposer is not None:
             self.proposer.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         if sched.is_empty:
+            if self._preparing:  # only grammars to wait for: wait for one, briefly, rather than spin
+                wait([future for _, future in self._preparing.values()], 0.05, FIRST_COMPLETED)
             return []
         now = time.time()
         for seq in sched.seqs:
             if seq.group.metrics.first_scheduled_time is None:
                 seq.group.metrics.first_scheduled_time = now
                 self.prompt_tokens_total += len(seq.group.prompt_token_ids)
+        # The constrained sequences this step samples: their masks are filled while the model runs.
+        constrained = [
+            seq
+            for seq, n in zip(sched.seqs, sched.num_new_tokens, strict=True)
+            if seq.grammar is not None and seq.num_computed_tokens + n >= len(seq)
+        ]
+        masks = self.structured.fill_masks([seq.grammar for seq in constrained]) if constrained else None
         out = self.runner.execute(sched)
         for seq, n in zip(sched.seqs, sched.num_new_tokens, strict=True):
             seq.num_computed_tokens += n
@@ -200,7 +262,10 @@ class LLMEngine:
         touched: dict[str, SequenceGroup] = {}
         finished: list[Sequence] = []
         now = time.time()
-        for seq, results in self._sample(out):
+        allowed = (
+            dict(zip(constrained, self.structured.masks(masks), strict=True)) if masks is not None else None
+        )
+        for seq, results in self._sample(out, allowed):
             drafts = len(seq.draft_token_ids)
             for result in results:
                 self._append_token(seq, result)
@@ -227,28 +292,40 @@ class LLMEngine:
         self._maybe_log_stats()
         return outputs
 
-    def _sample(self, out: StepOutput) -> list[tuple[Sequence, list[SampleResult]]]:
-        """Each sampled sequence's new tokens: one, or its accepted draft tokens plus one."""
+    def _sample(
+        self, out: StepOutput, masks: dict[Sequence, torch.Tensor] | None = None
+    ) -> list[tuple[Sequence, list[SampleResult]]]:
+        """Each sampled sequence's new tokens: one, or its accepted draft tokens plus one. `masks`: the
+        allowed tokens of constrained sequences (their forked samples share them)."""
         rows, seqs, drafts = [], [], []
+        mask_rows, mask_bits = [], []
         row = 0
         while row < len(out.sample_seqs):
             seq = out.sample_seqs[row]
             count = 1 + len(seq.draft_token_ids)
+            if masks and seq in masks:  # constrained sequences never carry drafts
+                mask_rows.append(len(rows))
+                mask_bits.append(masks[seq])
             rows += range(row, row + count)
             seqs.append(seq)
             drafts.append(seq.draft_token_ids)
             for child in self._fork(seq):  # a prompt with n > 1 forks before its first sample
+                if masks and seq in masks:
+                    mask_rows.append(len(rows))
+                    mask_bits.append(masks[seq])
                 rows.append(row)
                 seqs.append(child)
                 drafts.append([])
             row += count
         if not seqs:
             return []
+        allowed = TokenBitmask(mask_rows, torch.stack(mask_bits)) if mask_rows else None
         # Rows repeat only where a prompt forks into n samples; otherwise the logits go over uncopied.
         logits = out.logits if len(rows) == len(out.logits) else out.logits[rows]
         if any(drafts):
-            return list(zip(seqs, self.sampler.verify(logits, seqs, drafts), strict=True))
-        return [(seq, [result]) for seq, result in zip(seqs, self.sampler(logits, seqs), strict=True)]
+            return list(zip(seqs, self.sampler.verify(logits, seqs, drafts, allowed), strict=True))
+        results = self.sampler(logits, seqs, allowed)
+        return [(seq, [result]) for seq, result in zip(seqs, results, strict=True)]
 
     def _fork(self, seq: Sequence) -> list[Sequence]:
         group = seq.group
@@ -257,6 +334,7 @@ class LLMEngine:
         children = []
         for index in range(1, group.params.n):
             child = self._new_sequence(group, seq.token_ids, index)
+            child.grammar = seq.grammar.fork() if seq.grammar is not None else None
             child.num_computed_tokens = seq.num_computed_tokens
             child.num_cached_tokens = seq.num_cached_tokens
             self.block_manager.fork(seq, child)
@@ -290,6 +368,13 @@ class LLMEngine:
                 reason = "stop"
             elif stop_string is not None:
                 reason, stop_reason = "stop", stop_string
+        if seq.grammar is not None and reason is None:
+            if not seq.grammar.accept(result.token_id):
+                # Only a matcher that ran out of its resource limits gets here (masks allow nothing else).
+                logger.warning("request %s left its grammar: %s", seq.group.request_id, seq.grammar.error)
+                reason = "abort"
+            elif seq.grammar.is_terminated:
+                reason = "stop"
         if reason is None and (
             (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens)
             or len(seq) >= self.max_model_len
@@ -367,3 +452,11 @@ class LLMEngine:
             s["num_preemptions"],
         )
         self._last_log, self._logged_tokens = now, self.generation_tokens_total
+
+
+def _refusal(error: BaseException) -> EngineError:
+    """A failed grammar compile as the error of one request (a compiled grammar's error is shared by every
+    request with the same constraint)."""
+    if isinstance(error, InvalidRequestError):
+        return InvalidRequestError(str(error), param=error.param)
+    return InvalidRequestError(f"the constraint could not be compiled: {error}")

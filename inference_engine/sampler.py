@@ -8,6 +8,9 @@ uniform. On the CPU the native kernel (`kernels/cpu/sampling.py`, which defines 
 does the per-row work; on other devices, or where it cannot run, the PyTorch code below does the same.
 Only token ids and requested logprobs come back to the host.
 
+Structured outputs arrive as a token bitmask per constrained row (`TokenBitmask`); the tokens a row's grammar
+forbids get -inf before anything else decides, so greedy and sampled rows alike pick an allowed token.
+
 Uniforms are drawn on the CPU: seeded sequences from their own generator, so that a seeded request samples
 the same tokens alone or inside any batch. Logprobs are reported from the model's raw distribution, before
 penalties and temperature, as OpenAI and vLLM do.
@@ -33,6 +36,25 @@ from kernels.cpu import sampling as cpu_sampling
 
 
 @dataclass
+class TokenBitmask:
+    """Allowed tokens of some rows: bit t of `bits[i]` (int32 words, 32 tokens each) is set where token t
+    may follow at logits row `rows[i]`."""
+
+    rows: list[int]
+    bits: torch.Tensor  # [len(rows), ceil(vocab / 32)] int32, on any device
+
+
+def apply_token_bitmask(logits: torch.Tensor, mask: TokenBitmask) -> None:
+    """Sets the logits of every token a row's bitmask forbids to -inf, in place."""
+    device, vocab = logits.device, logits.shape[1]
+    bits = mask.bits.to(device, non_blocking=True)
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    allowed = ((bits.unsqueeze(-1) >> shifts) & 1).view(len(mask.rows), -1)[:, :vocab].bool()
+    rows = torch.tensor(mask.rows, device=device)
+    logits[rows] = logits[rows].masked_fill_(~allowed, float("-inf"))
+
+
+@dataclass
 class SampleResult:
     token_id: int
     logprob: float  # 0.0 unless the request asked for logprobs
@@ -55,15 +77,22 @@ class Sampler:
         self.history = TokenHistory()
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
-        """logits: [len(seqs), vocab], fp32 on any device; modified in place."""
+    def __call__(
+        self, logits: torch.Tensor, seqs: list[Sequence], allowed: TokenBitmask | None = None
+    ) -> list[SampleResult]:
+        """logits: [len(seqs), vocab], fp32 on any device; modified in place. `allowed`: the grammars'
+        masks of the constrained rows."""
         if len(logits) != len(seqs):
             raise ValueError(f"{len(logits)} rows of logits for {len(seqs)} sequences")
-        return [results[0] for results in self._sample(logits, seqs, None)]
+        return [results[0] for results in self._sample(logits, seqs, None, allowed)]
 
     @torch.inference_mode()
     def verify(
-        self, logits: torch.Tensor, seqs: list[Sequence], draft_token_ids: Seq[Seq[int]]
+        self,
+        logits: torch.Tensor,
+        seqs: list[Sequence],
+        draft_token_ids: Seq[Seq[int]],
+        allowed: TokenBitmask | None = None,
     ) -> list[list[SampleResult]]:
         """Each sequence's accepted draft tokens plus one more.
 
@@ -76,13 +105,19 @@ class Sampler:
         rows = sum(len(d) + 1 for d in draft_token_ids)
         if len(logits) != rows:
             raise ValueError(f"{len(logits)} rows of logits for drafts that need {rows}")
-        return self._sample(logits, seqs, draft_token_ids)
+        return self._sample(logits, seqs, draft_token_ids, allowed)
 
     def _sample(
-        self, logits: torch.Tensor, seqs: list[Sequence], drafts: Seq[Seq[int]] | None
+        self,
+        logits: torch.Tensor,
+        seqs: list[Sequence],
+        drafts: Seq[Seq[int]] | None,
+        allowed: TokenBitmask | None,
     ) -> list[list[SampleResult]]:
         logprobs: dict[int, tuple[float, dict[int, Logprob]]] = {}
         if all(self._plain_greedy(s) for s in seqs):
+            if allowed is not None:
+                apply_token_bitmask(logits, allowed)
             tokens = argmax(logits).tolist()
             proposed = [t for d in drafts for t in (*d, -1)] if drafts else [-1] * len(tokens)
             accepted = [t == d for t, d in zip(tokens, proposed, strict=True)]
@@ -98,6 +133,8 @@ class Sampler:
                 logits.device,
             )
             raw = logits[md.logprob_rows] if md.logprob_rows else None  # a copy, before the edits
+            if allowed is not None:
+                apply_token_bitmask(logits, allowed)
             if md.edits is not None:
                 apply_edits(logits, md.edits)
             token_tensor, accepted_tensor = self._sample_rows(logits, md)

@@ -5,12 +5,89 @@ Torch-free on purpose: the web tier builds and validates these before anything r
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from inference_engine.errors import InvalidRequestError
 
 _GREEDY_EPS = 1e-5
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """One constraint on the output, vLLM's shape: a JSON schema (`json`, a dict or its JSON text), a
+    `regex`, one of the strings in `choice`, a `grammar` (Lark, or llama.cpp's GBNF) or any JSON object
+    (`json_object`).
+
+    By default JSON is written with `", "` and `": "` between items and no other whitespace: small models
+    left free to add whitespace can fill max_tokens with newlines. `whitespace_pattern` (a regex) allows
+    whitespace where JSON does; `disable_additional_properties` forbids keys a schema's objects do not list.
+    """
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in _CONSTRAINTS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise InvalidRequestError(
+                "structured_outputs needs exactly one of json, regex, choice, grammar and json_object; "
+                f"got {', '.join(given) or 'none'}.",
+                param="structured_outputs",
+            )
+        if isinstance(self.json, str):
+            try:
+                self.json = json.loads(self.json)
+            except ValueError as exc:
+                raise InvalidRequestError(
+                    f"the JSON schema is not valid JSON: {exc}", param="structured_outputs.json"
+                ) from None
+        checks = {
+            "json": isinstance(self.json, dict | None),
+            "regex": isinstance(self.regex, str | None),
+            "choice": self.choice is None
+            or (
+                isinstance(self.choice, list)
+                and bool(self.choice)
+                and all(isinstance(c, str) for c in self.choice)
+            ),
+            "grammar": isinstance(self.grammar, str | None),
+            "json_object": self.json_object in (None, True, False),
+            "whitespace_pattern": isinstance(self.whitespace_pattern, str | None),
+        }
+        for name, ok in checks.items():
+            if not ok:
+                raise InvalidRequestError(
+                    f"structured_outputs.{name} has the wrong type: {getattr(self, name)!r}.",
+                    param=f"structured_outputs.{name}",
+                )
+
+    @property
+    def kind(self) -> str:
+        """Which constraint: json, regex, choice, grammar or json_object."""
+        return next(name for name in _CONSTRAINTS if getattr(self, name) not in (None, False))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v not in (None, False)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StructuredOutputsParams:
+        if not isinstance(data, dict):
+            raise InvalidRequestError("structured_outputs must be an object.", param="structured_outputs")
+        unknown = set(data) - {f.name for f in fields(cls)}
+        if unknown:
+            raise InvalidRequestError(
+                f"unknown structured_outputs field(s): {', '.join(sorted(unknown))}.",
+                param="structured_outputs",
+            )
+        return cls(**data)
 
 
 @dataclass
@@ -34,6 +111,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # Lists rather than None downstream keep the hot paths free of None checks.
@@ -45,6 +123,8 @@ class SamplingParams:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
         if self.top_k == 0:
             self.top_k = -1
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         self._validate()
 
     @property
@@ -93,9 +173,13 @@ class SamplingParams:
                     raise bad(f"logit_bias for token {token} must be in [-100, 100], got {bias}.")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad(f"seed must be an integer, got {self.seed!r}.")
+        if not isinstance(self.structured_outputs, StructuredOutputsParams | None):
+            raise bad("structured_outputs must be a StructuredOutputsParams or its dict.")
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
+        if self.structured_outputs is not None:
+            data["structured_outputs"] = self.structured_outputs.to_dict()
         if data["logit_bias"]:
             data["logit_bias"] = {str(k): v for k, v in data["logit_bias"].items()}
         return data

@@ -9,12 +9,16 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from inference_engine.detokenizer import IncrementalDetokenizer
 from inference_engine.outputs import Logprob, RequestMetrics
 from inference_engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from inference_engine.structured_outputs.engine import GrammarMatcher
 
 
 class SequenceStatus(enum.Enum):
@@ -41,6 +45,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     generator: torch.Generator | None = None  # per-sample RNG for seeded requests
     detokenizer: IncrementalDetokenizer | None = None
+    grammar: GrammarMatcher | None = None  # where a structured-output request stands in its grammar
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None

@@ -9,7 +9,8 @@ token, and the sampler keeps the longest prefix the model agrees with plus one t
 rejection sampling, which keeps the output distribution). The engine then rolls back what the rejected
 tokens left behind (`LLMEngine._settle`). Summaries and extractions quote their sources, which is where
 this pays; a large batch already keeps the hardware busy, so above `disable_by_batch_size` running
-sequences nothing is proposed.
+sequences nothing is proposed. Nor for structured-output requests: a draft token their grammar forbids would
+have to be masked position by position, and a copied n-gram rarely fits a grammar anyway.
 """
 
 from __future__ import annotations
@@ -76,9 +77,9 @@ class NgramProposer:
             seq.draft_token_ids = self._for(seq) if enabled else []
 
     def _for(self, seq: Sequence) -> list[int]:
-        if seq.num_computed_tokens != len(seq) - 1:
-            return []  # still prefilling
         params = seq.params
+        if seq.num_computed_tokens != len(seq) - 1 or params.structured_outputs is not None:
+            return []  # still prefilling, or constrained by a grammar
         # Never propose past the request's last token: the verified step emits drafts + 1 tokens.
         room = self.max_model_len - len(seq)
         if params.max_tokens is not None:

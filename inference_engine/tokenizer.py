@@ -2,14 +2,24 @@
 
 The engine owns tokenization so that every front end counts tokens and applies chat templates the
 same way; the web tier only ever sends text or messages.
+
+Tools reach the template as its ``tools`` variable, and assistant ``tool_calls`` with their arguments as
+objects, as Hugging Face templates expect them. A template that knows no tools (it never reads ``tools``)
+gets them through the fallback of `_tools_in_messages`: the function list and the Hermes call format in the
+system message, earlier calls written in that format, and tool results as user turns in
+``<tool_response>`` tags (what Hermes-format templates render them as); the engine's ``hermes`` tool-call
+parser reads the answers.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 from pathlib import Path
 
 import jinja2
+from jinja2 import meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -51,15 +61,89 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> str:
+        """The prompt of a conversation; `tools`: OpenAI's function tools (``{"type": "function",
+        "function": {"name", "description", "parameters"}}``)."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; send a plain prompt instead.")
-        template = _jinja_env().from_string(self.chat_template)
+        env = _jinja_env()
+        template = env.from_string(self.chat_template)
+        messages = [_with_argument_objects(m) for m in messages]
+        if not self.template_reads_tools:
+            messages, tools = _tools_in_messages(messages, tools), None
         bos = self.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
         eos = self.id_to_token(self.eos_token_id) or ""
         return template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos
+            messages=messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=bos,
+            eos_token=eos,
         )
+
+    @functools.cached_property
+    def template_reads_tools(self) -> bool:
+        return "tools" in meta.find_undeclared_variables(_jinja_env().parse(self.chat_template or ""))
+
+
+def _with_argument_objects(message: dict) -> dict:
+    """Templates write a call's arguments as an object; OpenAI clients send them as JSON text."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    converted = []
+    for call in calls:
+        function = dict(call.get("function") or {})
+        if isinstance(function.get("arguments"), str):
+            with contextlib.suppress(ValueError):  # not JSON: the template writes the text as it is
+                function["arguments"] = json.loads(function["arguments"])
+        converted.append({**call, "function": function})
+    return {**message, "tool_calls": converted}
+
+
+_TOOLS_PROMPT = """You can call functions to help you answer. Their signatures, one JSON object per line:
+<tools>
+{tools}
+</tools>
+To call a function, write a JSON object with its name and arguments between <tool_call> and </tool_call>, \
+one block per call:
+<tool_call>
+{{"name": "function_name", "arguments": {{"argument_name": "value"}}}}
+</tool_call>"""
+
+
+def _tools_in_messages(messages: list[dict], tools: list[dict] | None) -> list[dict]:
+    """The conversation for a template that knows no tools: the tools in the system message, calls and
+    their results as text."""
+    result = []
+    for message in messages:
+        role, content = message.get("role"), message.get("content") or ""
+        if role == "assistant" and message.get("tool_calls"):
+            blocks = [
+                "<tool_call>\n"
+                + json.dumps(
+                    {"name": c["function"].get("name"), "arguments": c["function"].get("arguments")},
+                    ensure_ascii=False,
+                )
+                + "\n</tool_call>"
+                for c in message["tool_calls"]
+            ]
+            content = "\n".join([content, *blocks] if content else blocks)
+            result.append({"role": "assistant", "content": content})
+        elif role == "tool":
+            result.append({"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"})
+        else:
+            result.append({**message, "content": content})
+    if tools:
+        listing = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
+        prompt = _TOOLS_PROMPT.format(tools=listing)
+        if result and result[0]["role"] == "system":
+            result[0] = {"role": "system", "content": result[0]["content"] + "\n\n" + prompt}
+        else:
+            result.insert(0, {"role": "system", "content": prompt})
+    return result
 
 
 def _raise_exception(message: str) -> None:

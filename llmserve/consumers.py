@@ -3,13 +3,15 @@
 Protocol (JSON text frames). The client sends
 
     {"type": "chat", "id": <any>, "model": "...", "messages": [{"role", "content"}...],
-     "params": {"temperature": 0.7, "max_tokens": 256, ...}}   # OpenAI chat sampling fields
+     "params": {"temperature": 0.7, "max_tokens": 256, ...}}   # OpenAI chat fields: sampling,
+                                                                # response_format, tools, tool_choice
     {"type": "stop"}                                            # abort the running answer
     {"type": "models"}                                          # ask for the live models again
 
 and receives ``ready`` (with the live models) once connected, then per answer ``start`` (prompt token
-count), ``delta`` (new text), and ``end`` (finish_reason, usage, ttft seconds, tokens_per_s), or ``error``
-(code, message, param) for anything refused. A stopped answer ends with finish_reason ``"abort"``.
+count), ``delta`` (new text; with tools, ``tool_calls`` pieces in the REST stream's shape), and ``end``
+(finish_reason, usage, ttft seconds, tokens_per_s), or ``error`` (code, message, param) for anything
+refused. A stopped answer ends with finish_reason ``"abort"``.
 
 The token loop runs as its own task so that a ``stop`` message or a disconnect is handled while tokens are
 still arriving: cancelling the task aborts the engine request, which frees its KV blocks within one step.
@@ -38,9 +40,11 @@ from django.db import close_old_connections
 
 from inference_engine.bus.protocol import RequestDelta
 from inference_engine.errors import EngineError, ModelNotFoundError
+from inference_engine.tool_parsers import ParsedDelta
 from llmserve import bus, conf
 from llmserve.api import errors, schema
 from llmserve.api.models import _served
+from llmserve.api.responses import call_finish_reason, tool_delta, tool_parser
 from llmserve.auth import (
     AuthenticationFailed,
     Principal,
@@ -208,7 +212,7 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
         try:
             try:
                 stream = await bus.async_client().generate(
-                    request.model, params=request.params, messages=request.messages
+                    request.model, params=request.params, messages=request.messages, tools=request.tools
                 )
             except ModelNotFoundError:
                 raise ChatError.from_api(errors.model_not_served(request.model, configured)) from None
@@ -223,17 +227,31 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
                         "prompt_tokens": answer.prompt_tokens,
                     }
                 )
+                choice = request.tool_choice
+                parser = tool_parser(choice, stream.tool_parser) if choice is not None else None
+                called = False
                 async for delta in stream:
                     timer.delta(delta)
                     answer.saw(delta)
-                    text = "".join(o.text for o in delta.outputs)
-                    if text:
-                        await self.send_json({"type": "delta", "id": answer.id, "text": text})
+                    parsed = ParsedDelta("".join(o.text for o in delta.outputs))
+                    if parser is not None:
+                        parsed = parser.feed(parsed.content)
+                        if delta.finished:
+                            parsed.extend(parser.finish())
+                    calls = tool_delta(parsed, choice)
+                    calls.pop("content", None)
+                    if parsed.content or calls:
+                        called = called or bool(calls)
+                        await self.send_json(
+                            {"type": "delta", "id": answer.id, "text": parsed.content, **calls}
+                        )
                     if delta.finished:
-                        reasons = [o.finish_reason for o in delta.outputs]
+                        reason = delta.outputs[0].finish_reason
+                        if called:
+                            reason = call_finish_reason(reason, called, choice)
                         if delta.usage is not None:
                             answer.completion_tokens = delta.usage.completion_tokens
-                        await self.send_json(answer.end_message(reasons[0]))
+                        await self.send_json(answer.end_message(reason))
         except ChatError as exc:
             await self._send_error(exc, answer.id)
         except EngineError as exc:

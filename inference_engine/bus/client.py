@@ -79,6 +79,7 @@ class GenerationResult:
     usage: P.Usage
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_token_ids: list[int] | None = None  # with prompt_logprobs
+    tool_parser: str | None = None  # the format of the model's tool calls, for requests with tools
 
 
 @dataclass
@@ -266,6 +267,7 @@ def _generate_message(
     messages: list[dict] | None,
     request_id: str | None,
     priority: int,
+    tools: list[dict] | None = None,
 ) -> P.Generate:
     if params is None:
         params = SamplingParams()
@@ -276,6 +278,7 @@ def _generate_message(
         params=params.to_dict(),
         priority=int(priority),
         arrival_time=time.time(),
+        tools=tools,
         **_prompt_fields(prompt, messages),
     )
 
@@ -315,6 +318,7 @@ class _Accumulator:
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self.prompt_tokens: int | None = None
+        self.tool_parser: str | None = None
         self.finished = False
         self.outputs: dict[int, CompletionOutput] = {}
         self.usage: P.Usage | None = None
@@ -324,7 +328,7 @@ class _Accumulator:
     def feed(self, message: P.Message) -> P.RequestDelta | None:
         if isinstance(message, P.Ack):
             if self.prompt_tokens is None:  # a request re-run after a crash may be acknowledged twice
-                self.prompt_tokens = message.prompt_tokens
+                self.prompt_tokens, self.tool_parser = message.prompt_tokens, message.tool_parser
             return None
         if isinstance(message, P.Error | P.Result):
             self.finished = True
@@ -356,6 +360,7 @@ class _Accumulator:
             self.usage,
             self.prompt_logprobs,
             self.prompt_token_ids,
+            self.tool_parser,
         )
 
 
@@ -387,6 +392,11 @@ class _StreamState:
     @property
     def prompt_tokens(self) -> int | None:
         return self._acc.prompt_tokens
+
+    @property
+    def tool_parser(self) -> str | None:
+        """The format of the model's tool calls (`inference_engine.tool_parsers`), for requests with tools."""
+        return self._acc.tool_parser
 
     @property
     def finished(self) -> bool:
@@ -502,15 +512,17 @@ class EngineClient:
         params: SamplingParams | dict | None = None,
         *,
         messages: list[dict] | None = None,
+        tools: list[dict] | None = None,
         request_id: str | None = None,
         priority: int = 0,
     ) -> GenerationStream:
         """Submit a generation and wait for the engine's acknowledgement: typed errors come before any delta.
 
-        `prompt` is text or token ids; `messages` (chat) is rendered with the engine's chat template.
-        `priority`: lower runs earlier (interactive 0, bulk jobs e.g. 10).
+        `prompt` is text or token ids; `messages` (chat) is rendered with the engine's chat template, with
+        `tools` (OpenAI's function tools) where given. `priority`: lower runs earlier (interactive 0, bulk
+        jobs e.g. 10).
         """
-        message = _generate_message(prompt, params, messages, request_id, priority)
+        message = _generate_message(prompt, params, messages, request_id, priority, tools)
         self._run(self._core.submit(model, message))
         stream = GenerationStream(self, model, message.id)
         stream._wait_ack()
@@ -756,11 +768,12 @@ class AsyncEngineClient:
         params: SamplingParams | dict | None = None,
         *,
         messages: list[dict] | None = None,
+        tools: list[dict] | None = None,
         request_id: str | None = None,
         priority: int = 0,
     ) -> AsyncGenerationStream:
         """See `EngineClient.generate`."""
-        message = _generate_message(prompt, params, messages, request_id, priority)
+        message = _generate_message(prompt, params, messages, request_id, priority, tools)
         await self._run(self._core.submit(model, message))
         stream = AsyncGenerationStream(self, model, message.id)
         await stream._wait_ack()

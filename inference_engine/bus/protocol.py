@@ -46,15 +46,18 @@ class below (`Generate`, `Ack`, `Delta`, ...); the engine and the client build a
 them (`encode`, `parse`).
 
 Request (client -> ``req`` stream, or ``reqlow`` for ``generate`` with ``priority > 0``):
-  ``{"type": "generate", "id", "prompt" | "prompt_token_ids" | "messages", "params": SamplingParams.to_dict(),
-  "priority": int (lower = earlier, vLLM's convention), "arrival_time": float}``
+  ``{"type": "generate", "id", "prompt" | "prompt_token_ids" | "messages", "tools"?, "params":
+  SamplingParams.to_dict(), "priority": int (lower = earlier, vLLM's convention), "arrival_time": float}``
+  (``tools``: OpenAI's function tools, rendered into the chat template with ``messages``)
   ``{"type": "tokenize", "id", "prompt" | "messages", "add_special_tokens"?, "return_token_strs"?}`` /
   ``{"type": "detokenize", "id", "token_ids"}`` / ``{"type": "tokenizer_info", "id"}``
 
 Output (engine -> ``out`` stream), in this order:
-  ``ack``    ``{"prompt_tokens": int, "replica": str}`` -- the engine accepted the request. Clients wait for
-             it (or ``error``) before yielding anything, so the HTTP layer can still answer 400. A request
-             re-run after a crash may be acknowledged twice; clients skip the second ack.
+  ``ack``    ``{"prompt_tokens": int, "replica": str, "tool_parser"?: str}`` -- the engine accepted the
+             request (a structured-output request once its grammar compiled). Clients wait for it (or
+             ``error``) before yielding anything, so the HTTP layer can still answer 400. A request re-run
+             after a crash may be acknowledged twice; clients skip the second ack. ``tool_parser`` (when the
+             request has tools) names the format of the model's tool calls (`inference_engine.tool_parsers`).
   ``delta``  ``{"outputs": [{"index", "text", "token_ids", "logprobs"}], "replica"}`` -- what is new since the
              previous delta, one entry per scheduler step covering every output index that progressed.
              ``logprobs`` is ``null`` or one list per new token of ``[token_id, logprob, rank, decoded]``.
@@ -182,6 +185,7 @@ class Generate(Message):
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     messages: list[dict] | None = None
+    tools: list[dict] | None = None  # OpenAI's function tools, for the chat template
     priority: int = 0  # lower runs earlier (vLLM's convention)
     arrival_time: float | None = None
 
@@ -217,6 +221,7 @@ class Ack(Message):
     type: ClassVar[str] = "ack"
     prompt_tokens: int
     replica: str
+    tool_parser: str | None = None  # the model's tool-call format, for requests with tools
 
 
 @dataclass
@@ -248,15 +253,19 @@ class Error(Message):
     type: ClassVar[str] = "error"
     code: str
     message: str
+    param: str | None = None  # the request field at fault, where the error names one
 
     @classmethod
     def of(cls, exc: BaseException) -> Error:
         code = exc.code if isinstance(exc, EngineError) else EngineError.code
-        return cls(code, str(exc) or type(exc).__name__)
+        return cls(code, str(exc) or type(exc).__name__, getattr(exc, "param", None))
 
     def exception(self) -> EngineError:
         """The typed exception the engine raised."""
-        return ERRORS_BY_CODE.get(self.code, EngineError)(self.message)
+        exc = ERRORS_BY_CODE.get(self.code, EngineError)(self.message)
+        if self.param is not None:
+            exc.param = self.param
+        return exc
 
 
 @dataclass

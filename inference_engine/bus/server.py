@@ -95,6 +95,7 @@ class EngineServer:
         self.low_stream = self.keys.low_priority_requests(self.model)
         self.streams = (self.req_stream, self.low_stream, self.util_stream)
         self._live: dict[str, _Live] = {}
+        self._unacked: dict[str, P.Ack] = {}  # live requests waiting for their grammar: their ack
         self._writes: list[tuple[str, P.Message]] = []
         self._done: list[tuple[str, str]] = []  # (stream, entry id) to XACK + XDEL after the writes
         self._expire_set: dict[str, float] = {}  # request id -> when its output stream's TTL was last set
@@ -150,6 +151,7 @@ class EngineServer:
         if self._live:
             self.engine.abort_request(list(self._live))
         self._live.clear()
+        self._unacked.clear()
         self._writes.clear()
         self._done.clear()
         self._expire_set.clear()
@@ -190,6 +192,7 @@ class EngineServer:
                     self._fail(rid, exc)
                 self._flush()
                 raise
+            self._acknowledge_prepared()
             self._publish(outputs)
         self._flush()
         if time.monotonic() >= self._next_maintenance:
@@ -328,13 +331,31 @@ class EngineServer:
             self._done.append((stream, entry_id))
             return
         self._live[rid] = _Live(stream, entry_id, DeltaTracker(len(prompt_ids)), params.n)
-        self._writes.append((rid, P.Ack(len(prompt_ids), self.replica_id)))
+        ack = P.Ack(len(prompt_ids), self.replica_id)
+        if message.tools:
+            ack.tool_parser = self.engine.config.tool_call_parser
+        if self.engine.preparing(rid):  # acknowledged (or refused) once its grammar has compiled
+            self._unacked[rid] = ack
+        else:
+            self._writes.append((rid, ack))
+
+    def _acknowledge_prepared(self) -> None:
+        """Acks the requests whose grammar compiled (ahead of this step's deltas); refuses those whose
+        grammar failed."""
+        for rid, error in self.engine.pop_refused().items():
+            if rid in self._live:
+                self._fail(rid, error)
+        for rid, ack in list(self._unacked.items()):
+            if not self.engine.preparing(rid):
+                del self._unacked[rid]
+                self._writes.append((rid, ack))
 
     def _prompt(self, message: P.Generate | P.Tokenize) -> str | list[int]:
         if message.messages is not None:
             try:
                 template = self.engine.tokenizer.apply_chat_template
-                return template(message.messages, add_generation_prompt=True)
+                tools = getattr(message, "tools", None)
+                return template(message.messages, add_generation_prompt=True, tools=tools)
             except Exception as exc:
                 raise InvalidRequestError(f"cannot apply the chat template: {exc}") from exc
         if message.prompt_token_ids is not None:
@@ -394,6 +415,7 @@ class EngineServer:
         live = self._live.pop(rid, None)
         if live is None:
             return
+        self._unacked.pop(rid, None)
         self.engine.abort_request(rid)
         reasons = [(i, "abort", None) for i in range(live.n)]
         self._writes.append((rid, live.tracker.final(reasons, self.replica_id)))
@@ -401,6 +423,7 @@ class EngineServer:
 
     def _fail(self, rid: str, exc: BaseException) -> None:
         live = self._live.pop(rid)
+        self._unacked.pop(rid, None)
         self._writes.append((rid, P.Error.of(exc)))
         self._done.append((live.stream, live.entry_id))
 

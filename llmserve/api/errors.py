@@ -101,7 +101,7 @@ def model_not_served(model: str, configured: bool) -> APIError:
 def from_engine_error(exc: EngineError) -> APIError:
     """The API error for a typed engine error that came back over the bus."""
     if isinstance(exc, InvalidRequestError):
-        return BadRequest(str(exc))
+        return BadRequest(str(exc), param=getattr(exc, "param", None))
     if isinstance(exc, ModelNotFoundError):
         return ModelNotFound(str(exc), param="model")
     if isinstance(exc, EngineOverloadedError):

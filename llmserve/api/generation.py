@@ -67,7 +67,9 @@ async def submit(request: GenerationRequest) -> Submitted:
     prompts = request.prompts if request.prompts is not None else [None]
 
     async def one(prompt: str | list[int] | None) -> AsyncGenerationStream:
-        return await client.generate(request.model, prompt, request.params, messages=request.messages)
+        return await client.generate(
+            request.model, prompt, request.params, messages=request.messages, tools=request.tools
+        )
 
     timers = [metrics.RequestTimer(request.model, received) for _ in prompts]
     attempts = await asyncio.gather(*(one(p) for p in prompts), return_exceptions=True)
@@ -118,7 +120,7 @@ async def _merged(streams: list[AsyncGenerationStream]) -> AsyncIterator[tuple[i
 async def respond(request: GenerationRequest) -> HttpResponse:
     submitted = await submit(request)
     try:
-        builder = ResponseBuilder(request, await _echoes(submitted))
+        builder = ResponseBuilder(request, await _echoes(submitted), submitted.streams[0].tool_parser)
     except BaseException:
         await submitted.abort()
         raise

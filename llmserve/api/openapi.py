@@ -74,16 +74,29 @@ class ChatLogprobs(Body):
     content: list[TokenLogprob] | None
 
 
+class FunctionCallBody(Body):
+    name: str
+    arguments: str
+
+
+class ToolCallBody(Body):
+    id: str
+    type: Literal["function"]
+    function: FunctionCallBody
+
+
 class AssistantMessage(Body):
     role: Literal["assistant"]
     content: str | None
+    tool_calls: list[ToolCallBody] | None = None
+    function_call: FunctionCallBody | None = None
 
 
 class ChatChoice(Body):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: Literal["stop", "length", "tool_calls", "function_call"] | None
 
 
 class ChatCompletion(Body):
@@ -109,6 +122,15 @@ class OutputMessage(Body):
     content: list[OutputText]
 
 
+class OutputFunctionCall(Body):
+    type: Literal["function_call"]
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
 class ResponseUsage(Body):
     input_tokens: int
     output_tokens: int
@@ -121,7 +143,7 @@ class ResponseObject(Body):
     created_at: int
     status: Literal["completed", "incomplete", "in_progress", "failed"]
     model: str
-    output: list[OutputMessage]
+    output: list[OutputMessage | OutputFunctionCall]
     previous_response_id: str | None
     instructions: str | None
     usage: ResponseUsage | None

@@ -4,6 +4,10 @@ Shapes follow the OpenAI API reference (and vLLM's server): ``chat.completion`` 
 and ``text_completion`` objects, usage counts, finish reasons, and logprobs in each endpoint's own format. A
 completion request with several prompts is one engine request per prompt; its choices are numbered
 ``prompt * n + sample``, as OpenAI and vLLM number them.
+
+A chat request with tools has its answers read by a tool-call parser (`tool_parser`): the calls go out as
+``tool_calls`` (``function_call`` for the legacy ``functions``) with ``finish_reason: "tool_calls"``; a stream
+sends each call's id and name once its name is written, then its arguments as they are written.
 """
 
 from __future__ import annotations
@@ -16,7 +20,16 @@ from typing import Any
 from inference_engine.bus.client import GenerationResult
 from inference_engine.bus.protocol import CompletionDelta, RequestDelta, Usage
 from inference_engine.outputs import Logprob
-from llmserve.api.schema import GenerationRequest
+from inference_engine.tool_parsers import (
+    NamedToolCall,
+    ParsedDelta,
+    RequiredToolCalls,
+    ToolCall,
+    ToolCallDelta,
+    ToolParser,
+    get_parser,
+)
+from llmserve.api.schema import GenerationRequest, ToolChoice
 
 _OBJECT = {"chat": "chat.completion", "completion": "text_completion"}
 _CHUNK_OBJECT = {"chat": "chat.completion.chunk", "completion": "text_completion"}
@@ -37,6 +50,45 @@ class Echo:
 def finish_reason(reason: str | None) -> str | None:
     # "abort" only happens when the client went away; it never reaches a client, but keep the enum valid.
     return "stop" if reason == "abort" else reason
+
+
+def tool_parser(choice: ToolChoice, model_format: str | None) -> ToolParser:
+    """The parser of an answer: the grammar's format for a required or named choice, else the model's."""
+    if choice.mode == "named":
+        return NamedToolCall(choice.function)
+    if choice.mode == "required":
+        return RequiredToolCalls()
+    return get_parser(model_format or "hermes")
+
+
+def tool_call_body(call: ToolCall) -> dict[str, Any]:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def tool_call_delta_body(delta: ToolCallDelta) -> dict[str, Any]:
+    body: dict[str, Any] = {"index": delta.index, "function": {"arguments": delta.arguments}}
+    if delta.id is not None:
+        body |= {"id": delta.id, "type": "function"}
+        body["function"]["name"] = delta.name
+    return body
+
+
+def assistant_message(
+    content: str | None, calls: list[ToolCall], choice: ToolChoice | None
+) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls and choice is not None and choice.legacy:
+        message["function_call"] = {"name": calls[0].name, "arguments": calls[0].arguments}
+    elif calls:
+        message["tool_calls"] = [tool_call_body(c) for c in calls]
+    return message
+
+
+def call_finish_reason(reason: str | None, called: bool, choice: ToolChoice | None) -> str | None:
+    """A complete answer that called tools ends with ``tool_calls`` (``function_call``, legacy)."""
+    if called and reason == "stop":
+        return "function_call" if choice is not None and choice.legacy else "tool_calls"
+    return finish_reason(reason)
 
 
 def usage_body(usage: Usage | None) -> dict[str, int] | None:
@@ -131,8 +183,14 @@ class ResponseBuilder:
     echoed text of a single prompt).
     """
 
-    def __init__(self, request: GenerationRequest, echoes: list[Echo] | str = "") -> None:
+    def __init__(
+        self, request: GenerationRequest, echoes: list[Echo] | str = "", tool_format: str | None = None
+    ) -> None:
+        """`tool_format`: the model's tool-call parser, as the engine's ack named it."""
         self.request = request
+        self.tool_format = tool_format
+        self._parsers: dict[int, ToolParser] = {}  # a stream's, per choice
+        self._called: set[int] = set()  # choices whose stream has made a call
         self.id = _ID_PREFIX[request.kind] + uuid.uuid4().hex
         self.created = int(time.time())
         self.echoes = [Echo(echoes)] if isinstance(echoes, str) else echoes
@@ -201,12 +259,16 @@ class ResponseBuilder:
                         logprobs = chat_logprobs(
                             out.logprobs, out.token_ids, self.request.params.logprobs or 0
                         )
+                    choice = self.request.tool_choice
+                    content, calls = out.text, []
+                    if choice is not None:
+                        content, calls = tool_parser(choice, result.tool_parser).parse(out.text)
                     choices.append(
                         {
                             "index": out.index,
-                            "message": {"role": "assistant", "content": out.text},
+                            "message": assistant_message(content, calls, choice),
                             "logprobs": logprobs,
-                            "finish_reason": finish_reason(out.finish_reason),
+                            "finish_reason": call_finish_reason(out.finish_reason, bool(calls), choice),
                         }
                     )
                     continue
@@ -242,7 +304,9 @@ class ResponseBuilder:
             if not d.text and not d.token_ids and finish is None and not echo:
                 continue
             if self.request.kind == "chat":
-                choices.append(self._chat_delta(d, finish))
+                chat = self._chat_delta(d)
+                if chat is not None:
+                    choices.append(chat)
                 continue
             positions = d.logprobs if d.token_ids else None
             echoed = (delta.prompt_logprobs, delta.prompt_token_ids or []) if echo else None
@@ -251,12 +315,28 @@ class ResponseBuilder:
             )
         return self._chunk(choices) if choices else None
 
-    def _chat_delta(self, d: CompletionDelta, finish: str | None) -> dict[str, Any]:
+    def _chat_delta(self, d: CompletionDelta) -> dict[str, Any] | None:
         logprobs = None
         if self.request.logprobs and d.token_ids and d.logprobs is not None:
             logprobs = chat_logprobs(d.logprobs, d.token_ids, self.request.params.logprobs or 0)
-        content = {"content": d.text} if d.text or finish is None else {}
-        return {"index": d.index, "delta": content, "logprobs": logprobs, "finish_reason": finish}
+        choice = self.request.tool_choice
+        parsed = ParsedDelta(content=d.text)
+        if choice is not None:
+            parser = self._parsers.setdefault(d.index, tool_parser(choice, self.tool_format))
+            parsed = parser.feed(d.text)
+            if d.finish_reason is not None:
+                parsed.extend(parser.finish())
+        finish = call_finish_reason(
+            d.finish_reason, d.index in self._called or bool(parsed.tool_calls), choice
+        )
+        delta = tool_delta(parsed, choice)
+        if parsed.tool_calls:
+            self._called.add(d.index)
+        if not delta and finish is None:
+            if not d.token_ids:
+                return None
+            delta = {"content": ""}  # text not said yet: the chunk still carries the token's logprobs
+        return {"index": d.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
     def usage_chunk(self, usages: list[Usage | None]) -> dict[str, Any]:
         usage = add_usage([self._usage(u) for u in usages])
@@ -267,3 +347,18 @@ class ResponseBuilder:
         if self.request.include_usage:
             chunk["usage"] = None  # OpenAI: every chunk carries the key; only the last one a value
         return chunk
+
+
+def tool_delta(parsed: ParsedDelta, choice: ToolChoice | None) -> dict[str, Any]:
+    """A chat chunk's ``delta`` of parsed text: its content and the pieces of calls."""
+    delta: dict[str, Any] = {"content": parsed.content} if parsed.content else {}
+    if parsed.tool_calls and choice is not None and choice.legacy:
+        first = [d for d in parsed.tool_calls if d.index == 0]
+        if first:
+            call: dict[str, Any] = {"arguments": "".join(d.arguments for d in first)}
+            if first[0].name is not None:
+                call["name"] = first[0].name
+            delta["function_call"] = call
+    elif parsed.tool_calls:
+        delta["tool_calls"] = [tool_call_delta_body(d) for d in parsed.tool_calls]
+    return delta

@@ -2,14 +2,16 @@
 
 A response is a chat completion underneath: its ``instructions``, the conversation of the response named by
 ``previous_response_id`` and its ``input`` become chat messages, validated and submitted by the chat path
-(`schema.chat_request`, `generation.submit`), so whatever the chat path learns (tools, structured output)
-is there to share. Stored responses (``store``, the default) live in `StoredResponse`, readable by the key
-that created them. Streams send the Responses event types (``response.created`` ...
+(`schema.chat_request`, `generation.submit`), and so do its function ``tools``, ``tool_choice`` and
+``text.format`` (a JSON schema); the answer's calls are read by the chat path's tool-call parsers and come
+out as ``function_call`` items. Stored responses (``store``, the default) live in `StoredResponse`, readable
+by the key that created them. Streams send the Responses event types (``response.created`` ...
 ``response.completed``), each with its ``sequence_number``.
 """
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -18,8 +20,10 @@ from typing import Any
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 
 from inference_engine.errors import EngineError
+from inference_engine.tool_parsers import ParsedDelta, ToolCall, ToolParser
 from llmserve.api import errors, generation, schema
 from llmserve.api.decorators import api_view
+from llmserve.api.responses import tool_parser
 from llmserve.auth import Principal
 from llmserve.models import StoredResponse
 
@@ -34,24 +38,49 @@ class _Turn:
         self.created_at = int(time.time())
         self.conversation = history + [m.as_engine_message() for m in body.input_messages()]
         self.text = ""
+        self.calls: list[ToolCall] = []
+        self.items: list[str | int] = []  # the output items in order: "message", or a call's index
+        self.parser: ToolParser | None = None
 
     def chat(self) -> schema.GenerationRequest:
         messages = list(self.conversation)
         if self.body.instructions:
             messages.insert(0, {"role": "system", "content": self.body.instructions})
-        return schema.chat_request(
-            schema.validate(
-                schema.ChatCompletionRequest,
-                {
-                    "model": self.body.model,
-                    "messages": messages,
-                    "max_completion_tokens": self.body.max_output_tokens,
-                    "temperature": self.body.temperature,
-                    "top_p": self.body.top_p,
-                    "user": self.body.user,
-                },
-            )
-        )
+        fields = {
+            "model": self.body.model,
+            "messages": messages,
+            "max_completion_tokens": self.body.max_output_tokens,
+            "temperature": self.body.temperature,
+            "top_p": self.body.top_p,
+            "user": self.body.user,
+            **self.body.chat_fields(),
+        }
+        try:
+            return schema.chat_request(schema.validate(schema.ChatCompletionRequest, fields))
+        except errors.BadRequest as exc:
+            exc.param = _responses_param(exc.param)
+            raise
+
+    def start(self, request: schema.GenerationRequest, model_format: str | None) -> None:
+        if request.tool_choice is not None:
+            self.parser = tool_parser(request.tool_choice, model_format)
+
+    def read(self, text: str, finished: bool) -> ParsedDelta:
+        """Takes the next text of the answer: what it says, and the pieces of its calls."""
+        parsed = ParsedDelta(text)
+        if self.parser is not None:
+            parsed = self.parser.feed(text)
+            if finished:
+                parsed.extend(self.parser.finish())
+        if parsed.content and "message" not in self.items:
+            self.items.append("message")
+        self.text += parsed.content
+        for d in parsed.tool_calls:
+            if d.id is not None:
+                self.calls.append(ToolCall(d.id, d.name, ""))
+                self.items.append(d.index)
+            self.calls[d.index].arguments += d.arguments
+        return parsed
 
     def message(self, status: str) -> dict[str, Any]:
         return {
@@ -61,6 +90,21 @@ class _Turn:
             "role": "assistant",
             "content": [self.text_part()] if status != "in_progress" else [],
         }
+
+    def call_item(self, index: int, status: str) -> dict[str, Any]:
+        call = self.calls[index]
+        return {
+            "type": "function_call",
+            "id": "fc_" + call.id.removeprefix("call_"),
+            "call_id": call.id,
+            "name": call.name,
+            "arguments": call.arguments if status != "in_progress" else "",
+            "status": status,
+        }
+
+    def output(self, status: str) -> list[dict[str, Any]]:
+        items = self.items or ["message"]
+        return [self.message(status) if i == "message" else self.call_item(i, status) for i in items]
 
     def text_part(self) -> dict[str, Any]:
         return {"type": "output_text", "text": self.text, "annotations": [], "logprobs": []}
@@ -77,17 +121,15 @@ class _Turn:
             "instructions": self.body.instructions,
             "max_output_tokens": self.body.max_output_tokens,
             "model": self.body.model,
-            "output": [self.message("incomplete" if incomplete else status)]
-            if status != "in_progress"
-            else [],
-            "parallel_tool_calls": False,
+            "output": self.output("incomplete" if incomplete else status) if status != "in_progress" else [],
+            "parallel_tool_calls": self.body.parallel_tool_calls,
             "previous_response_id": self.body.previous_response_id,
             "reasoning": {"effort": None, "summary": None},
             "store": self.body.store,
             "temperature": 1.0 if self.body.temperature is None else self.body.temperature,
-            "text": {"format": {"type": "text"}},
-            "tool_choice": "none",
-            "tools": [],
+            "text": {"format": _format(self.body)},
+            "tool_choice": _tool_choice(self.body),
+            "tools": [t.model_dump(exclude_none=True) for t in self.body.tools or []],
             "top_p": 1.0 if self.body.top_p is None else self.body.top_p,
             "truncation": "disabled",
             "usage": _usage(usage),
@@ -101,9 +143,40 @@ class _Turn:
                 id=self.id,
                 owner=self.principal.key,
                 model=self.body.model,
-                conversation=[*self.conversation, {"role": "assistant", "content": self.text}],
+                conversation=[*self.conversation, self.answer()],
                 body=body,
             )
+
+    def answer(self) -> dict[str, Any]:
+        """The answer as the conversation's next message."""
+        message: dict[str, Any] = {"role": "assistant", "content": self.text}
+        if self.calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in self.calls
+            ]
+        return message
+
+
+def _responses_param(param: str | None) -> str | None:
+    """A chat request's field as the Responses API names it."""
+    if param is None:
+        return None
+    param = re.sub(r"^tools\[(\d+)\]\.function", r"tools[\1]", param)
+    param = re.sub(r"^response_format(\.json_schema)?", "text.format", param)
+    return re.sub(r"^messages(\[\d+\])?", "input", param)
+
+
+def _format(body: schema.ResponsesRequest) -> dict[str, Any]:
+    fmt = body.text.format if body.text is not None else None
+    return fmt.model_dump(by_alias=True, exclude_none=True) if fmt is not None else {"type": "text"}
+
+
+def _tool_choice(body: schema.ResponsesRequest) -> Any:
+    choice = body.tool_choice
+    if isinstance(choice, schema.ResponseNamedToolChoice):
+        return choice.model_dump()
+    return choice or ("auto" if body.tools else "none")
 
 
 def _usage(usage: Any) -> dict[str, Any] | None:
@@ -133,7 +206,9 @@ async def create(request: HttpRequest, body: dict[str, Any], principal: Principa
         previous = await _stored(data.previous_response_id, principal, param="previous_response_id")
         history = previous.conversation
     turn = _Turn(data, history, principal)
-    submitted = await generation.submit(turn.chat())
+    request = turn.chat()
+    submitted = await generation.submit(request)
+    turn.start(request, submitted.streams[0].tool_parser)
     if data.stream:
         response = StreamingHttpResponse(_events(turn, submitted), content_type="text/event-stream")
         response["Cache-Control"] = "no-cache"
@@ -141,7 +216,7 @@ async def create(request: HttpRequest, body: dict[str, Any], principal: Principa
         return response
     try:
         async for _, delta in submitted.deltas():
-            turn.text += "".join(o.text for o in delta.outputs)
+            turn.read("".join(o.text for o in delta.outputs), delta.finished)
     finally:
         await submitted.abort()  # a cancelled view (client gone) leaves nothing running
     result = await submitted.streams[0].result()
@@ -151,6 +226,8 @@ async def create(request: HttpRequest, body: dict[str, Any], principal: Principa
 
 
 async def _events(turn: _Turn, submitted: generation.Submitted) -> AsyncIterator[bytes]:
+    """The stream: each output item is added when its first piece is written (the message at its first
+    text, a function call once its name is known) and done at the end."""
     sequence = 0
 
     def event(kind: str, **fields: Any) -> bytes:
@@ -158,24 +235,72 @@ async def _events(turn: _Turn, submitted: generation.Submitted) -> AsyncIterator
         sequence += 1
         return generation.sse({"type": kind, "sequence_number": sequence - 1, **fields}, event=kind)
 
-    where = {"item_id": turn.message_id, "output_index": 0}
+    def where(item: str | int) -> dict[str, Any]:
+        item_id = turn.message_id if item == "message" else turn.call_item(item, "completed")["id"]
+        return {"item_id": item_id, "output_index": turn.items.index(item)}
+
+    def added(item: str | int) -> list[bytes]:
+        if item != "message":
+            return [
+                event(
+                    "response.output_item.added",
+                    output_index=turn.items.index(item),
+                    item=turn.call_item(item, "in_progress"),
+                )
+            ]
+        return [
+            event(
+                "response.output_item.added",
+                output_index=turn.items.index(item),
+                item=turn.message("in_progress"),
+            ),
+            event("response.content_part.added", **where(item), content_index=0, part=turn.text_part()),
+        ]
+
     try:
         yield event("response.created", response=turn.object("in_progress"))
         yield event("response.in_progress", response=turn.object("in_progress"))
-        yield event("response.output_item.added", output_index=0, item=turn.message("in_progress"))
-        yield event("response.content_part.added", **where, content_index=0, part=turn.text_part())
         finish, usage = None, None
         async for _, delta in submitted.deltas():
-            text = "".join(o.text for o in delta.outputs)
-            if text:
-                turn.text += text
-                yield event("response.output_text.delta", **where, content_index=0, delta=text, logprobs=[])
+            known = len(turn.items)
+            parsed = turn.read("".join(o.text for o in delta.outputs), delta.finished)
+            for item in turn.items[known:]:
+                for chunk in added(item):
+                    yield chunk
+            if parsed.content:
+                yield event(
+                    "response.output_text.delta",
+                    **where("message"),
+                    content_index=0,
+                    delta=parsed.content,
+                    logprobs=[],
+                )
+            for d in parsed.tool_calls:
+                if d.arguments:
+                    yield event("response.function_call_arguments.delta", **where(d.index), delta=d.arguments)
             if delta.finished:
                 finish, usage = delta.outputs[0].finish_reason, delta.usage
-        yield event("response.output_text.done", **where, content_index=0, text=turn.text, logprobs=[])
-        yield event("response.content_part.done", **where, content_index=0, part=turn.text_part())
+        if not turn.items:  # nothing was said: an empty message
+            turn.items.append("message")
+            for chunk in added("message"):
+                yield chunk
         answer = turn.object("completed", usage, finish)
-        yield event("response.output_item.done", output_index=0, item=answer["output"][0])
+        for item, done in zip(turn.items, answer["output"], strict=True):
+            if item == "message":
+                yield event(
+                    "response.output_text.done", **where(item), content_index=0, text=turn.text, logprobs=[]
+                )
+                yield event(
+                    "response.content_part.done", **where(item), content_index=0, part=turn.text_part()
+                )
+            else:
+                yield event(
+                    "response.function_call_arguments.done",
+                    **where(item),
+                    name=done["name"],
+                    arguments=done["arguments"],
+                )
+            yield event("response.output_item.done", output_index=turn.items.index(item), item=done)
         await turn.store(answer)
         yield event("response.completed", response=answer)
     except EngineError as exc:

@@ -90,6 +90,7 @@ class BusThread:
                     request.prompt,
                     request.params,
                     messages=request.messages,
+                    tools=request.tools,
                     request_id=flight.request_id,
                     priority=self.priority,
                 )

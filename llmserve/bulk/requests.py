@@ -14,6 +14,7 @@ from typing import Any
 from inference_engine.bus.client import GenerationResult
 from inference_engine.errors import EngineError
 from inference_engine.sampling_params import SamplingParams
+from inference_engine.structured_outputs.grammars import check
 from llmserve.api import errors, schema
 from llmserve.api.responses import ResponseBuilder
 from llmserve.bulk.models import BulkJob
@@ -39,9 +40,10 @@ def engine_item_error(exc: EngineError) -> ItemError:
 @dataclass
 class ItemRequest:
     prompt: str | list[int] | None
-    messages: list[dict[str, str]] | None
+    messages: list[dict[str, Any]] | None
     params: SamplingParams
     api: schema.GenerationRequest | None = None  # Batch API items: shapes the stored response body
+    tools: list[dict[str, Any]] | None = None
 
     def stored(self, result: GenerationResult) -> dict[str, Any]:
         """The item fields to store for a finished generation."""
@@ -58,9 +60,13 @@ class ItemRequest:
 
 
 def job_params(params: dict[str, Any]) -> SamplingParams:
-    """A template job's sampling parameters, refused up front when invalid (not once per item)."""
+    """A template job's sampling parameters, refused up front when invalid (not once per item); a
+    ``structured_outputs`` constraint (e.g. a JSON schema to extract into) is checked by llguidance too."""
     try:
-        return SamplingParams.from_dict(params or {})
+        params = SamplingParams.from_dict(params or {})
+        if params.structured_outputs is not None:
+            check(params.structured_outputs)
+        return params
     except EngineError as exc:
         raise errors.BadRequest(f"Invalid sampling parameters: {exc}", param="params") from None
 
@@ -96,4 +102,4 @@ def _from_body(job: BulkJob, body: Any) -> ItemRequest:
         raise ItemError(
             errors.BadRequest(f"Every request of a batch must use model `{job.model}`.", param="model")
         )
-    return ItemRequest(request.prompt, request.messages, request.params, request)
+    return ItemRequest(request.prompt, request.messages, request.params, request, request.tools)

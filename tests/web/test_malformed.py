@@ -74,7 +74,7 @@ CASES = [
     ("presence penalty", CHAT, _chat(presence_penalty=5), "application/json", 400, "presence_penalty"),
     ("logit bias range", CHAT, _chat(logit_bias={"1": 1000}), "application/json", 400, "logit_bias"),
     ("logit bias key", CHAT, _chat(logit_bias={"x": 1}), "application/json", 400, "logit_bias"),
-    ("unknown parameter", CHAT, _chat(tools=[{"type": "function"}]), "application/json", 400, "tools"),
+    ("unknown parameter", CHAT, _chat(modalities=["audio"]), "application/json", 400, "modalities"),
     ("unknown model", CHAT, _chat(model="no-such-model"), "application/json", 404, "model"),
     (
         "prompt beyond max_model_len",
