@@ -247,6 +247,14 @@ _ENDPOINTS: list[tuple[str, str, str, type[BaseModel] | None, type[BaseModel] | 
     ("/v1/batches/{batch_id}", "get", "Retrieve a batch", None, Body, True),
     ("/v1/batches/{batch_id}/cancel", "post", "Cancel a batch", None, Body, True),
 ]
+# Before OpenAPI 3.2, the schema of an event stream describes one event. Ours carry JSON in `data`
+# (chat and completions end with the literal `[DONE]`); the Responses API also names each `event`.
+_SERVER_SENT_EVENT = {
+    "type": "object",
+    "properties": {"event": {"type": "string"}, "data": {"type": "string"}},
+    "required": ["data"],
+}
+
 _ERROR_STATUSES = {
     "400": "Invalid request",
     "401": "Missing or unknown API key",
@@ -287,7 +295,7 @@ def document() -> dict[str, Any]:
         if reply is not None:
             ok["content"] = {"application/json": {"schema": _ref(reply)}}
             if request is not None and "stream" in request.model_fields:
-                ok["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+                ok["content"]["text/event-stream"] = {"schema": _SERVER_SENT_EVENT}
         else:
             ok["content"] = {"text/plain": {"schema": {"type": "string"}}}
         operation["responses"]["200"] = ok

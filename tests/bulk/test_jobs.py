@@ -153,11 +153,12 @@ def test_worker_killed_mid_job(bulk_stack: BulkStack, bus_client: EngineClient) 
         PARAMS,
         name="worker killed",
     )
-    wait_until(lambda: job.items.filter(status=BulkItem.Status.DONE).count() >= 10, 240, "10 items done")
+    wait_until(lambda: job.items.filter(status=BulkItem.Status.DONE).count() >= 4, 240, "4 items done")
     bulk_stack.kill_worker()
-    assert job.items.filter(status=BulkItem.Status.PENDING).exists()
-    assert BulkJob.objects.get(pk=job.pk).status == BulkJob.Status.RUNNING
-    bulk_stack.start_worker()
+    unfinished = job.items.filter(status=BulkItem.Status.PENDING).count()
+    status = BulkJob.objects.get(pk=job.pk).status
+    bulk_stack.start_worker()  # before asserting: the package's later tests need a worker
+    assert unfinished and status == BulkJob.Status.RUNNING, (unfinished, status)
     job = wait_finished(job)
     assert job.status == BulkJob.Status.COMPLETED
     items = list(job.items.order_by("index"))

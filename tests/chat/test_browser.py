@@ -43,7 +43,7 @@ def test_chat_in_the_browser(stack) -> None:
             page.goto(stack.base_url + "/chat/")  # → the login page first
             page.fill("#id_username", ADMIN[0])
             page.fill("#id_password", ADMIN[1])
-            page.click("input[type=submit]")
+            page.click("button[type=submit]")
             page.wait_for_url("**/chat/")
             sync_api.expect(page.locator("#model option")).to_have_text([stack.model])
 

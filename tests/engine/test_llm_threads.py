@@ -58,6 +58,15 @@ def test_seed_task_queue_example(llm: LLM, lone_outputs, batch_sizes, max_worker
 
 
 def test_keyboard_interrupt_aborts_the_call(llm: LLM) -> None:
+    # Python's own Ctrl-C handler, even where the suite was started in the background (SIGINT ignored).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _interrupt_a_call(llm)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _interrupt_a_call(llm: LLM) -> None:
     main = threading.main_thread().ident
     tokens_before = llm.llm_engine.generation_tokens_total
 

@@ -57,7 +57,7 @@ def test_foreign_host_gets_json_on_api_paths(launched: LauncherStack) -> None:
     status, headers, _ = request(launched, "GET", "/chat/", headers={"Host": "evil.example"})
     assert status == 400 and headers["content-type"].startswith("text/html")  # people get the page
     status, headers, body = request(launched, "GET", "/v1/no-such-endpoint")
-    assert status == 404 and api_error(status, headers, body)["code"] == "not_found"
+    assert status == 404 and api_error(status, headers, body)["code"] == "unknown_url"
 
 
 def test_api_key_in_the_query_string_stays_out_of_the_access_log(launched: LauncherStack) -> None:
