@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import threading
 import time
 from pathlib import Path
 
@@ -138,14 +139,24 @@ def decode_step_vs_floor(llm: LLM) -> dict:
 
 
 def measure_read_bandwidth(device: torch.device, size: int = 1 << 30) -> float:
-    """Bytes/s of reading a 1 GiB tensor once (a reduction), best of five."""
-    data = torch.ones(size // 4, dtype=torch.float32, device=device)
-    best = float("inf")
-    for _ in range(6):
-        t = time.perf_counter()
-        float(data.sum())  # float() waits for the device
-        best = min(best, time.perf_counter() - t)
-    return size / best
+    """Bytes/s of reading a 1 GiB tensor once (a reduction), best of five. Measured on a thread that ends,
+    so that this thread keeps no OpenMP pool beside the engine's (see inference_engine/engine_loop.py)."""
+    threads, best = torch.get_num_threads(), []
+
+    def measure() -> None:
+        torch.set_num_threads(threads)
+        data = torch.ones(size // 4, dtype=torch.float32, device=device)
+        times = []
+        for _ in range(6):
+            t = time.perf_counter()
+            float(data.sum())  # float() waits for the device
+            times.append(time.perf_counter() - t)
+        best.append(min(times))
+
+    thread = threading.Thread(target=measure)
+    thread.start()
+    thread.join()
+    return size / best[0]
 
 
 def dense_hf_model(dtype: torch.dtype, folder: str | None = None):

@@ -23,12 +23,12 @@ from inference_engine.sampling_params import SamplingParams
 
 class AsyncLLM:
     def __init__(self, model: str | None = None, **kwargs) -> None:
-        self.engine_loop = EngineLoop(LLMEngine(EngineConfig(model=model, **kwargs)))
+        self.engine_loop = EngineLoop.build(EngineConfig(model=model, **kwargs))
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineConfig) -> AsyncLLM:
         engine = cls.__new__(cls)
-        engine.engine_loop = EngineLoop(LLMEngine(engine_args))
+        engine.engine_loop = EngineLoop.build(engine_args)
         return engine
 
     @classmethod

@@ -25,8 +25,8 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **kwargs) -> None:
-        self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
-        self.engine_loop = EngineLoop(self.llm_engine)
+        self.engine_loop = EngineLoop.build(EngineConfig(model=model, **kwargs))
+        self.llm_engine = self.engine_loop.engine
         self._ids = itertools.count()  # next() on it is atomic under the GIL: ids stay unique across threads
 
     @property
