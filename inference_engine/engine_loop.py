@@ -105,7 +105,11 @@ class EngineLoop:
 
     @classmethod
     def build(cls, config: EngineConfig) -> EngineLoop:
-        """The loop of a new engine, built on a thread that ends (see the module's docstring)."""
+        """The loop of a new engine, built on a thread that ends (see the module's docstring). Not with
+        tensor parallelism: the ranks' processes die with the thread that started them (their parent-death
+        signal), so that thread must live as long as the engine: the caller's."""
+        if config.tensor_parallel_size > 1:
+            return cls(LLMEngine(config))
         threads, result = torch.get_num_threads(), []
 
         def build() -> None:

@@ -75,12 +75,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
-    """silu(gate) * up of bf16 rows [..., 2 * width] (gate first), rounded as F.silu(gate).mul_(up), or
-    None where it can't run."""
-    fn = function("silu_mul_bf16", None, ptr, ptr, i32, i32)
+    """silu(gate) * up of bf16 rows [..., 2 * width] (gate first), rounded as F.silu(gate).mul_(up) (within
+    a bf16 ulp: its own exp), or None where it can't run."""
+    fn = function("silu_mul_bf16", None, ptr, ptr, i32, i32, i32)
     if fn is None or not _bf16_rows(gate_up) or gate_up.shape[-1] % 2:
         return None
     width = gate_up.shape[-1] // 2
     out = gate_up.new_empty(*gate_up.shape[:-1], width)
-    fn(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * width), width)
+    fn(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * width), width, torch.get_num_threads())
     return out

@@ -79,15 +79,18 @@ void rms_norm_bf16(const uint16_t *x, const uint16_t *weight, uint16_t *out, int
     }
 }
 
-/* out [rows, width] <- silu(gate) * up of gate_up [rows, 2 * width], each product of bf16 values rounded as
- * PyTorch rounds F.silu(gate).mul_(up): the SiLU to bf16, then the product. */
-void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int rows, int width) {
+/* out [rows, width] <- silu(gate) * up of gate_up [rows, 2 * width]: the SiLU rounded to bf16, then the
+ * product, as PyTorch rounds F.silu(gate).mul_(up). x * sigmoid(x) with exp(-|x|) <= 1, so the loop
+ * vectorises (libm's expf does not: the scalar loop was 10-20x PyTorch's SiLU); within a bf16 ulp of it. */
+void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int rows, int width, int num_threads) {
+#pragma omp parallel for if ((long)rows * width >= (1L << 16)) num_threads(num_threads)
     for (int r = 0; r < rows; r++) {
         const uint16_t *g = gate_up + (long)r * 2 * width, *u = g + width;
         uint16_t *o = out + (long)r * width;
         for (int i = 0; i < width; i++) {
             float x = bf16_to_float(g[i]);
-            float silu = bf16_to_float(float_to_bf16(x / (1.f + expf(-x))));
+            float e = expf_nonpositive(x < 0.f ? x : -x), sigmoid = (x < 0.f ? e : 1.f) / (1.f + e);
+            float silu = bf16_to_float(float_to_bf16(x * sigmoid));
             o[i] = float_to_bf16(silu * bf16_to_float(u[i]));
         }
     }
@@ -123,7 +126,7 @@ int decoder_forward(const struct decoder *d, uint16_t *hidden, int m, const int6
         if ((status = linear(&layer->o, attn, q_width, m, hidden, threads))) return status;
         add_rms_norm_bf16(hidden, residual, residual, layer->post_norm, normed, m, H, d->eps, threads);
         if ((status = linear(&layer->gate_up, normed, H, m, gate_up, threads))) return status;
-        silu_mul_bf16(gate_up, act, m, d->intermediate);
+        silu_mul_bf16(gate_up, act, m, d->intermediate, threads);
         if ((status = linear(&layer->down, act, d->intermediate, m, hidden, threads))) return status;
     }
     add_rms_norm_bf16(hidden, residual, residual, d->final_norm, normed, m, H, d->eps, threads);

@@ -23,18 +23,6 @@
 #define MAX_GROUP 16
 #define MAX_BLOCK 64
 
-/* exp(x) for x <= 0 as 2^n * 2^r with |r| <= 1/2 and a degree-6 Taylor polynomial (error ~1e-7,
- * an ulp or so): unlike libm's expf it vectorises, and it was a third of the kernel's time. */
-static inline float exp_nonpositive(float x) {
-    float t = (x < -87.f ? -87.f : x) * 1.44269504088896341f;
-    float n = __builtin_rintf(t), r = (t - n) * 0.69314718055994531f;
-    float p = 1.f + r * (1.f + r * (0.5f + r * (1.f / 6 + r * (1.f / 24 + r * (1.f / 120 + r * (1.f / 720))))));
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
-
 /* One cached row of head_dim values as fp32. */
 static inline __attribute__((always_inline)) void load_row(const void *cache, long off, int head_dim, int is_bf16,
                                                            float *row) {
@@ -73,12 +61,12 @@ static inline __attribute__((always_inline)) void attend(const float *q, int gro
         for (int g = 0; g < group; g++) {
             float block_max = m[g];
             for (int t = 0; t < n; t++) block_max = s[g][t] > block_max ? s[g][t] : block_max;
-            float correction = exp_nonpositive(m[g] - block_max);
+            float correction = expf_nonpositive(m[g] - block_max);
             l[g] *= correction;
             float *o = out + g * head_dim;
             for (int d = 0; d < head_dim; d++) o[d] *= correction;
             for (int t = 0; t < n; t++) {
-                s[g][t] = exp_nonpositive(s[g][t] - block_max);
+                s[g][t] = expf_nonpositive(s[g][t] - block_max);
                 l[g] += s[g][t];
             }
             m[g] = block_max;
@@ -102,7 +90,7 @@ static inline __attribute__((always_inline)) void attend(const float *q, int gro
 #include <immintrin.h>
 #define HAVE_AVX512_BF16 1
 
-/* exp_nonpositive() on 16 lanes. */
+/* expf_nonpositive() on 16 lanes. */
 static inline __m512 exp512_nonpositive(__m512 x) {
     __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(1.44269504088896341f));
     __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -198,7 +186,7 @@ static inline __attribute__((always_inline)) void attend_block(const uint16_t *q
             float chunk = _mm512_mask_reduce_max_ps(valid, _mm512_maskz_loadu_ps(valid, s[g] + t0));
             block_max = chunk > block_max ? chunk : block_max;
         }
-        float correction = exp_nonpositive(m[g] - block_max);
+        float correction = expf_nonpositive(m[g] - block_max);
         __m512 sums = _mm512_setzero_ps(), shift = _mm512_set1_ps(block_max);
         for (int t0 = 0; t0 < n; t0 += 16) {
             __mmask16 valid = first_lanes(n - t0);
