@@ -140,6 +140,10 @@ if REDIS_URL:
             "BACKEND": "django.core.cache.backends.redis.RedisCache",
             "LOCATION": REDIS_URL,
             "KEY_PREFIX": "llmserve-cache",
+            # The rate limiter fails open, so it must fail fast: without timeouts, a cache call to a Redis
+            # that does not answer waits as long as the kernel's TCP retries (minutes), and with it the
+            # request and every other cache call of its web worker.
+            "OPTIONS": {"socket_connect_timeout": 1.0, "socket_timeout": 1.0},
         }
     }
 else:

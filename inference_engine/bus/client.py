@@ -733,7 +733,7 @@ class AsyncEngineClient:
         self._core = _Core(self.settings)
         self.keys = self._core.keys
         url = redis_url or os.environ.get(REDIS_URL_ENV, DEFAULT_REDIS_URL)
-        pool = aredis.BlockingConnectionPool.from_url(url, **_pool_kwargs(self.settings, Retry))
+        pool = aredis.BlockingConnectionPool.from_url(url, **_pool_kwargs(self.settings, AsyncRetry))
         self.redis = aredis.Redis(connection_pool=pool)
         self._reader = _OutputReader(self)
 

@@ -9,6 +9,7 @@ import pytest
 
 from inference_engine.bus import protocol as P
 from inference_engine.bus.client import AsyncEngineClient
+from inference_engine.bus.redis_server import RedisServer
 from inference_engine.errors import (
     EngineOverloadedError,
     EngineUnavailableError,
@@ -275,6 +276,25 @@ def test_a_full_connection_pool_makes_calls_wait_then_refuses_as_overloaded(redi
             await client.close()
 
     asyncio.run(main())
+
+
+def test_pooled_connections_survive_a_redis_restart(prefix):
+    """After Redis restarts, every pooled connection is stale: the client's retry reconnects it rather than
+    failing the call. (The async pool once had the synchronous Retry, which never retried: each stale
+    connection failed one request with 503, long after Redis was back.)"""
+    with RedisServer() as server:
+
+        async def main() -> None:
+            client = AsyncEngineClient(server.url, prefix=prefix)
+            try:
+                await asyncio.gather(*(client.redis.blpop(["nothing"], timeout=0.2) for _ in range(6)))
+                server.restart()  # same port; the six pooled connections now point at a closed server
+                assert await asyncio.gather(*(client.list_models() for _ in range(6))) == [[]] * 6
+                assert await client.list_models() == []
+            finally:
+                await client.close()
+
+        asyncio.run(main())
 
 
 def test_waiting_requests_hold_no_redis_connection(serve, redis_server, prefix):

@@ -30,12 +30,18 @@ async def _kill_mid_load(
     """Start `clients` long streams, kill the newest process matching `pattern` once all stream, then ask
     until an answer completes. Returns the seconds from the kill to that answer, and how each stream ended
     within `SETTLE` seconds of the kill (None: still streaming, so the kill did not concern it)."""
+    await _settled(stack)
     started = [asyncio.Event() for _ in range(clients)]
     streams = [
         asyncio.create_task(chat(stack.port, stack.api_key, MODEL, first_token=event, timeout=300, **LONG))
         for event in started
     ]
-    await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), 120)
+    deadline = time.monotonic() + 120
+    while not all(event.is_set() for event in started):
+        ended = [t.result() for t, e in zip(streams, started, strict=True) if t.done() and not e.is_set()]
+        assert not ended, f"a stream ended before its first token: {ended}"
+        assert time.monotonic() < deadline, "the streams did not all start within 120 s"
+        await asyncio.sleep(0.05)
     await asyncio.to_thread(stack.kill, pattern)
     killed = time.monotonic()
     while True:
@@ -49,6 +55,17 @@ async def _kill_mid_load(
     for task in streams:
         task.cancel()  # the client goes away: the server aborts the request
     return [task.result() if task.done() and not task.cancelled() else None for task in streams], recovery
+
+
+async def _settled(stack: LauncherStack, in_a_row: int = 6) -> None:
+    """Until `in_a_row` short answers come back one after another (the web workers take turns): a previous
+    test's kill may still be settling (after a Redis restart, each worker's pooled connections fail once,
+    and the engine re-registers within a second or two), and load started then would meet its clean 503s."""
+    deadline, good = time.monotonic() + 60, 0
+    while good < in_a_row:
+        assert time.monotonic() < deadline, "the stack did not settle within 60 s"
+        probe = await chat(stack.port, stack.api_key, MODEL, "Hi", stream=False, timeout=10, max_tokens=1)
+        good = good + 1 if probe.complete else 0
 
 
 def _check(what: str, outcomes: list[Outcome | None], recovery: float) -> None:
