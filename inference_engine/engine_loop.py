@@ -9,10 +9,9 @@ the next step. The thread runs only while requests are in flight: an idle engine
 The engine is also built on a thread of its own, one that ends. OpenMP (libgomp, which torch and our native
 kernels share) keeps a pool of workers for every thread that ran a parallel region; once the pooled threads
 outnumber the cores, idle workers stop spinning and every parallel region waits for a futex wake. The
-native decoder runs some 200 regions a step: on 2 cores, a Q4_1 decode step of the bundled model took
-7-9 ms on a loop thread beside the pool of the thread that had built the model, 1.7 ms with the loop
-thread's pool the only one. So no pool outlives the build, as long as the callers' threads run no parallel
-torch work of their own.
+native decoder runs some 200 regions a step, so a loop thread beside the pool of the thread that built the
+model decoded several times slower than with its own pool the only one. So no pool outlives the build, as
+long as the callers' threads run no parallel torch work of their own.
 """
 
 from __future__ import annotations
