@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.offline_throughput import median_run
 from inference_engine import LLM, SamplingParams
 
 PROMPTS = [
@@ -133,7 +134,7 @@ def main() -> None:
             run = runs[name][-1]
             rates = f"{run['tokens_per_s']:.1f} tokens/s, {run['tokens_per_cpu_s']:.1f} per CPU-s"
             print(f"{name}: {rates}", flush=True)
-    median = {name: sorted(r, key=lambda x: x["tokens_per_s"])[len(r) // 2] for name, r in runs.items()}
+    median = {name: median_run(r) for name, r in runs.items()}
     one = runs["one call, 8 prompts"]
     relative = {  # each mode's tokens/s over one call's in the same repeat: the machine's noise cancels
         name: statistics.median(

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import threading
 import time
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import torch
 
 from benchmarks.workload import Request, mixed_workload
 from inference_engine import LLM, SamplingParams
+from inference_engine.engine_loop import on_a_thread_that_ends
 from inference_engine.model_loader import default_model_path
 
 SAMPLED = {"temperature": 0.8, "top_p": 0.95, "seed": 0}
@@ -105,9 +105,9 @@ def run_static(model, tokenizer, requests: list[Request], batch_size: int) -> di
     }
 
 
-def _median_run(runs: list[dict]) -> dict:
-    """The run with the median tokens/s (a real run, so its numbers stay consistent with each other)."""
-    return sorted(runs, key=lambda run: run["tokens_per_s"])[len(runs) // 2]
+def median_run(runs: list[dict], key: str = "tokens_per_s") -> dict:
+    """The run with the median `key` (a real run, so its numbers stay consistent with each other)."""
+    return sorted(runs, key=lambda run: run[key])[len(runs) // 2]
 
 
 def _latency_summary(requests: list[Request], latencies: dict[int, float]) -> dict:
@@ -141,22 +141,17 @@ def decode_step_vs_floor(llm: LLM) -> dict:
 def measure_read_bandwidth(device: torch.device, size: int = 1 << 30) -> float:
     """Bytes/s of reading a 1 GiB tensor once (a reduction), best of five. Measured on a thread that ends,
     so that this thread keeps no OpenMP pool beside the engine's (see inference_engine/engine_loop.py)."""
-    threads, best = torch.get_num_threads(), []
 
-    def measure() -> None:
-        torch.set_num_threads(threads)
+    def best_read() -> float:
         data = torch.ones(size // 4, dtype=torch.float32, device=device)
         times = []
         for _ in range(6):
             t = time.perf_counter()
             float(data.sum())  # float() waits for the device
             times.append(time.perf_counter() - t)
-        best.append(min(times))
+        return min(times)
 
-    thread = threading.Thread(target=measure)
-    thread.start()
-    thread.join()
-    return size / best[0]
+    return size / on_a_thread_that_ends(best_read)
 
 
 def dense_hf_model(dtype: torch.dtype, folder: str | None = None):
@@ -253,7 +248,7 @@ def main() -> None:
         runs["engine_sampled"].append(run_engine(llm, requests, SAMPLED))
         runs["static_batching"].append(run_static(model, llm.get_tokenizer(), requests, args.batch_size))
     ours, sampled, static = (
-        _median_run(runs[name]) for name in ("engine", "engine_sampled", "static_batching")
+        median_run(runs[name]) for name in ("engine", "engine_sampled", "static_batching")
     )
     step = decode_step_vs_floor(llm)
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.llamacpp import LlamaCppUnavailable, LlamaServer, build_server
-from benchmarks.offline_throughput import run_engine
+from benchmarks.offline_throughput import median_run, run_engine
 from benchmarks.workload import Request, mixed_workload
 from inference_engine import LLM, SamplingParams
 from inference_engine.model_loader import default_model_path
@@ -68,10 +68,6 @@ def llamacpp_workload(server: LlamaServer, requests: list[Request]) -> dict:
     elapsed = time.time() - start
     tokens = sum(a["tokens_predicted"] for a in answers)
     return {"seconds": elapsed, "tokens": tokens, "tokens_per_s": tokens / elapsed}
-
-
-def _median_run(runs: list[dict], key: str, reverse: bool = False) -> dict:
-    return sorted(runs, key=lambda run: run[key], reverse=reverse)[len(runs) // 2]
 
 
 def _rss_bytes() -> int:
@@ -184,8 +180,8 @@ def main() -> None:
         # Other processes' load during the run (1, 5, 15-minute averages before and after it).
         "machine_load_average": {"before": load_before, "after": os.getloadavg()},
         "engine": {
-            "decode": _median_run(runs["engine_decode"], "ms_per_token"),
-            "workload": _median_run(runs["engine_workload"], "tokens_per_s"),
+            "decode": median_run(runs["engine_decode"], "ms_per_token"),
+            "workload": median_run(runs["engine_workload"], "tokens_per_s"),
         },
         "memory": memory,
         "all_runs": runs,
@@ -195,8 +191,8 @@ def main() -> None:
     else:
         theirs = {
             "binary": str(binary),
-            "decode": _median_run(runs["llama_decode"], "ms_per_token"),
-            "workload": _median_run(runs["llama_workload"], "tokens_per_s"),
+            "decode": median_run(runs["llama_decode"], "ms_per_token"),
+            "workload": median_run(runs["llama_workload"], "tokens_per_s"),
         }
         result["llama_cpp"] = theirs
         ours = result["engine"]

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.offline_throughput import median_run
 from benchmarks.workload import Request, mixed_workload
 from inference_engine import LLM, SamplingParams
 from inference_engine.sampler import TokenBitmask, apply_token_bitmask
@@ -129,10 +130,7 @@ def main() -> None:
         order = ("unconstrained", "constrained") if repeat % 2 == 0 else ("constrained", "unconstrained")
         for name in order:
             runs[name].append(run(llm, requests, constrained=name == "constrained"))
-    median = {
-        name: sorted(results, key=lambda r: r["tokens_per_s"])[len(results) // 2]
-        for name, results in runs.items()
-    }
+    median = {name: median_run(results) for name, results in runs.items()}
     assert median["constrained"]["tokens"] == median["unconstrained"]["tokens"]
     batch = round(median["constrained"]["masks_per_step"])
     result = {

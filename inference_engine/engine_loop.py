@@ -48,6 +48,26 @@ class Request:
     priority: int = 0
 
 
+def on_a_thread_that_ends(fn: Callable[[], T]) -> T:
+    """`fn()` (its result, or its exception raised here) run on a new thread with this thread's torch thread
+    count, so that the OpenMP pool it creates ends with it (see the module's docstring)."""
+    threads, outcome = torch.get_num_threads(), []
+
+    def run() -> None:
+        torch.set_num_threads(threads)
+        try:
+            outcome.append(fn())
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, name="on-a-thread-that-ends")
+    thread.start()
+    thread.join()
+    if isinstance(outcome[0], BaseException):
+        raise outcome[0]
+    return outcome[0]
+
+
 class EngineLoop:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
@@ -109,21 +129,7 @@ class EngineLoop:
         signal), so that thread must live as long as the engine: the caller's."""
         if config.tensor_parallel_size > 1:
             return cls(LLMEngine(config))
-        threads, result = torch.get_num_threads(), []
-
-        def build() -> None:
-            torch.set_num_threads(threads)
-            try:
-                result.append(LLMEngine(config))
-            except BaseException as exc:
-                result.append(exc)
-
-        builder = threading.Thread(target=build, name="llm-engine-build")
-        builder.start()
-        builder.join()
-        if isinstance(result[0], BaseException):
-            raise result[0]
-        return cls(result[0])
+        return cls(on_a_thread_that_ends(lambda: LLMEngine(config)))
 
     @property
     def num_requests(self) -> int:
