@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 
+from asgiref.sync import sync_to_async
 from django.core.cache import caches
 
 from llmserve import conf
@@ -31,18 +32,25 @@ async def ahit(identity: str, limit: int) -> float | None:
     now = time.time()
     window = int(now // WINDOW)
     key = f"llmserve:ratelimit:{identity}:{window}"
-    cache = caches[conf.get("RATE_LIMIT_CACHE")]
     try:
-        # add() then incr() is atomic on backends that implement incr atomically (Redis, Memcached, locmem).
-        await cache.aadd(key, 0, timeout=WINDOW + 1)
-        try:
-            count = await cache.aincr(key)
-        except ValueError:  # expired between add and incr
-            await cache.aset(key, 1, timeout=WINDOW + 1)
-            count = 1
+        # Not the cache's async methods: Django implements `aincr` as a get then a set, which loses counts
+        # between concurrent requests. One call off the event loop, and not on the request's own thread
+        # (the counter touches no database connection), keeps `incr` atomic and costs one hop.
+        count = await sync_to_async(_count, thread_sensitive=False)(conf.get("RATE_LIMIT_CACHE"), key)
     except Exception as exc:  # each cache backend raises its own errors
         log.warning("rate-limit cache unavailable (%s); request allowed", type(exc).__name__)
         return None
     if count > limit:
         return (window + 1) * WINDOW - now
     return None
+
+
+def _count(alias: str, key: str) -> int:
+    # add() then incr() is atomic on backends that implement incr atomically (Redis, Memcached, locmem).
+    cache = caches[alias]
+    cache.add(key, 0, timeout=WINDOW + 1)
+    try:
+        return cache.incr(key)
+    except ValueError:  # expired between add and incr
+        cache.set(key, 1, timeout=WINDOW + 1)
+        return 1

@@ -57,12 +57,9 @@ class Submitted:
 
 async def submit(request: GenerationRequest) -> Submitted:
     received = time.monotonic()
-    config = await ModelConfig.objects.filter(name=request.model).afirst()
+    config = await _model_config(request.model)
     if config is not None and not config.enabled:
         raise errors.ModelNotFound(f"The model `{request.model}` is disabled.", param="model")
-    # The database is done with: hand the connection back before waiting on the engine, or every request
-    # waiting in the queue or streaming holds one (each ASGI request has its own thread and connection).
-    await sync_to_async(close_old_connections)()
     client = bus.async_client()
     prompts = request.prompts if request.prompts is not None else [None]
 
@@ -83,6 +80,17 @@ async def submit(request: GenerationRequest) -> Submitted:
     for timer, stream in zip(timers, streams, strict=True):
         timer.accepted(stream.prompt_tokens or 0)
     return Submitted(request, streams, timers)
+
+
+@sync_to_async
+def _model_config(name: str) -> ModelConfig | None:
+    """The model's admin entry, if any. The database is then done with: the connection goes back before the
+    request waits on the engine, or every request waiting in the queue or streaming would hold one (each
+    ASGI request has its own thread and connection). One trip to the request's thread for both."""
+    try:
+        return ModelConfig.objects.filter(name=name).first()
+    finally:
+        close_old_connections()
 
 
 async def _merged(streams: list[AsyncGenerationStream]) -> AsyncIterator[tuple[int, RequestDelta]]:

@@ -318,3 +318,14 @@ def test_completion_bodies() -> None:
         with pytest.raises(BadRequest) as info:
             schema.parse("completion", body)
         assert info.value.param == param
+
+
+def test_rate_limit_counts_concurrent_requests() -> None:
+    """Every concurrent request is counted: with the cache's async `aincr` (a get, then a set) requests that
+    overlapped read the same count and some went uncounted."""
+
+    async def run() -> list[float | None]:
+        return await asyncio.gather(*(ratelimit.ahit("concurrent", 10) for _ in range(30)))
+
+    refused = [r for r in asyncio.run(run()) if r is not None]
+    assert len(refused) == 20
