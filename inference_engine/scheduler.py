@@ -5,7 +5,9 @@ chunk of a long prompt), then admits waiting sequences while the token budget, `
 free KV blocks allow; prefill and decode share one batch. When blocks run out, the lowest-priority,
 most recently admitted sequence is preempted: its blocks are freed and it is recomputed later
 (or, with swap space, its blocks are copied to CPU memory and back). Requests are ordered by
-(priority, arrival), so interactive traffic at priority 0 runs ahead of bulk jobs at a higher value.
+(priority, arrival), so interactive traffic at priority 0 runs ahead of bulk jobs at a higher value;
+a step that admits a more urgent request leaves the less urgent running sequences out, so its first
+token waits for its own prefill only, not for a full batch of bulk decodes as well.
 """
 
 from __future__ import annotations
@@ -67,10 +69,13 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         self._make_room_for_urgent(out)
+        cutoff = self._urgent_admission_priority()
         out_of_blocks = False
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if cutoff is not None and seq.group.priority > cutoff:
+                break  # running is sorted by priority: the rest wait one step for the urgent prefill
             n = min(len(seq) - seq.num_computed_tokens, budget)
             if seq.draft_token_ids:  # speculative proposals ride along where budget and blocks allow
                 drafts = seq.draft_token_ids[: budget - n]
@@ -96,7 +101,7 @@ class Scheduler:
             queue = min(
                 (q for q in (self.swapped, self.waiting) if q), key=lambda q: _order(q[0]), default=None
             )
-            if queue is None:
+            if queue is None or (cutoff is not None and queue[0].group.priority > cutoff):
                 break
             seq = queue[0]
             if queue is self.swapped:
@@ -136,6 +141,19 @@ class Scheduler:
             if len(self.running) < self.max_num_seqs and fits:
                 break
             self._preempt(victim, out)
+
+    def _urgent_admission_priority(self) -> int | None:
+        """The priority of a waiting request that is more urgent than some running sequence and can be
+        admitted now; None when there is none (then every running sequence is scheduled)."""
+        if not self.waiting or not self.running:
+            return None
+        urgent = self.waiting[0]
+        if urgent.group.priority >= self.running[-1].group.priority or len(self.running) >= self.max_num_seqs:
+            return None
+        first_chunk = min(len(urgent) - urgent.num_computed_tokens, self.max_num_batched_tokens)
+        if not self.block_manager.can_append(urgent, first_chunk, reserve=self.watermark):
+            return None
+        return urgent.group.priority
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Swaps the sequence's KV out to CPU blocks when swap space allows; otherwise drops the KV,

@@ -192,16 +192,30 @@ class _Core:
         ]
 
     def read(
-        self, positions: dict[str, str], block_ms: int | None
-    ) -> Op[dict[str, list[tuple[str, P.Message]]]]:
-        """New output entries of the requests in `positions` (request id -> last entry id seen)."""
+        self, positions: dict[str, str], block_ms: int | None, wake: tuple[str, str] | None = None
+    ) -> Op[tuple[dict[str, list[tuple[str, P.Message]]], str | None]]:
+        """New output entries of the requests in `positions` (request id -> last entry id seen). With `wake`
+        (a stream, the last id seen there) a blocking read also ends when that stream gets an entry (see
+        `wake`); the second item is then the newest id there."""
         streams = {self.keys.output(rid): last for rid, last in positions.items()}
+        woken = None
+        if wake is not None:
+            streams[wake[0]] = woken = wake[1]
         (reply,) = yield [_cmd("xread", streams, count=256, block=block_ms)]
         found: dict[str, list[tuple[str, P.Message]]] = {}
         for key, entries in reply.items() if isinstance(reply, dict) else reply or ():
-            rid = key[len(self._output_prefix) :]
-            found[rid] = [(entry_id, P.parse(fields)) for entry_id, fields in entries]
-        return found
+            if wake is not None and key == wake[0]:
+                woken = entries[-1][0]
+            else:
+                found[key[len(self._output_prefix) :]] = [
+                    (entry_id, P.parse(fields)) for entry_id, fields in entries
+                ]
+        return found, woken
+
+    def wake(self, stream: str) -> Op[None]:
+        """Ends a blocking `read` watching `stream` (or the next one: it reads from the last id it saw). The
+        stream keeps one entry and expires soon after its client's last wake-up."""
+        yield [_cmd("xadd", stream, {"w": "1"}, maxlen=1), _cmd("expire", stream, 60)]
 
     def request_known(self, request_id: str, started: bool) -> Op[bool]:
         """Whether Redis still holds the request (its id key, and its output stream once it has one); both
@@ -424,7 +438,7 @@ class GenerationStream(_StreamState):
         waiter = _Waiter(timeout, self.model)
         while not self._buffer:
             block = waiter.block_s(self.client.settings.poll_interval)
-            found = self.client._run(
+            found, _ = self.client._run(
                 self.client._core.read({self.request_id: self._last_id}, int(block * 1000))
             )
             self._take(found.get(self.request_id, []))
@@ -605,7 +619,9 @@ class _Subscription:
 
 class _OutputReader:
     """Reads the output streams of every request of one async client with one ``XREAD`` at a time and hands
-    each request its entries. A request is picked up by the next read, at most `BLOCK_MS` later. The task
+    each request its entries. A new request joins the next read: the read in progress (blocking up to
+    `BLOCK_MS`) also watches the client's wake-up stream, and subscribing adds an entry there, so the new
+    request's acknowledgement and first token are not held up by a read that does not include it. The task
     ends when no request is left (and starts again with the next): an idle client leaves nothing running."""
 
     BLOCK_MS = 20
@@ -614,27 +630,41 @@ class _OutputReader:
         self.client = client
         self._subscriptions: dict[str, _Subscription] = {}
         self._task: asyncio.Task[None] | None = None
+        self._reading = False  # a read is in progress (a new subscription is not part of it)
+        self._wake_stream, self._woken = client._core.keys.wake(uuid.uuid4().hex), "0-0"
+        self._wakers: set[asyncio.Task[None]] = set()
 
     def subscribe(self, request_id: str) -> asyncio.Queue:
         subscription = self._subscriptions[request_id] = _Subscription()
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run())
+        elif self._reading and len(self._wakers) == 0:  # one wake-up ends the read for every newcomer
+            waker = asyncio.get_running_loop().create_task(self._wake())
+            self._wakers.add(waker)
+            waker.add_done_callback(self._wakers.discard)
         return subscription.queue
+
+    async def _wake(self) -> None:
+        with contextlib.suppress(EngineError):  # the read fails the same way and reports it
+            await self.client._run(self.client._core.wake(self._wake_stream))
 
     def unsubscribe(self, request_id: str) -> None:
         self._subscriptions.pop(request_id, None)
 
     async def _run(self) -> None:
         while self._subscriptions:
-            current = dict(self._subscriptions)
+            current, self._reading = dict(self._subscriptions), True
             positions = {rid: s.last_id for rid, s in current.items()}
             try:
-                found = await self.client._run(self.client._core.read(positions, self.BLOCK_MS))
+                read = self.client._core.read(positions, self.BLOCK_MS, (self._wake_stream, self._woken))
+                found, self._woken = await self.client._run(read)
             except EngineError as exc:  # Redis is gone: every waiting request fails cleanly
                 for rid, subscription in current.items():
                     subscription.queue.put_nowait(exc)
                     self.unsubscribe(rid)
                 continue
+            finally:
+                self._reading = False
             for rid, entries in found.items():
                 subscription = current[rid]
                 subscription.last_id = entries[-1][0]
@@ -642,6 +672,8 @@ class _OutputReader:
 
     async def close(self) -> None:
         self._subscriptions.clear()
+        for waker in self._wakers:
+            waker.cancel()
         if self._task is not None and not self._task.done():
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -126,6 +126,10 @@ class Keys:
     def output(self, request_id: str) -> str:
         return f"{self.prefix}:out:{request_id}"
 
+    def wake(self, reader_id: str) -> str:
+        """An async client's wake-up stream: a new request wakes the client's blocked output read with it."""
+        return f"{self.prefix}:wake:{reader_id}"
+
     def request_id(self, request_id: str) -> str:
         return f"{self.prefix}:rid:{request_id}"
 

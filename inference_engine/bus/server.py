@@ -1,9 +1,10 @@
 """The engine side of the bus: one loop that feeds an `LLMEngine` from Redis and streams its outputs back.
 
 Each iteration: read aborts and new requests (non-blocking while there is work, blocking briefly when idle),
-admit them (a new request joins the running batch at the next step), run one engine step, and write every
-output entry of that step in one pipeline. Requests are read only up to `max_inflight`, so a backlog stays in
-the shared stream where any replica of the model can take it. See `protocol` for the wire format.
+admit them (a new request joins the running batch at the next step) and acknowledge them at once, run one
+engine step, and write every output entry of that step in one pipeline. Requests are read only up to
+`max_inflight`, so a backlog stays in the shared stream where any replica of the model can take it. See
+`protocol` for the wire format.
 
 Priority-aware intake: interactive requests (``priority <= 0``) and low-priority ones (bulk jobs) come on
 two streams. Interactive requests are read while fewer than `max_inflight` *interactive* ones are in flight,
@@ -184,6 +185,8 @@ class EngineServer:
         for rid in aborts:
             self._abort(rid)
         self._admit(entries)
+        if entries:  # acks out before the step: the web tier starts its response while the prompt prefills
+            self._flush()
         if self.engine.has_unfinished_requests():
             try:
                 outputs = self.engine.step()

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from inference_engine.bus import protocol as P
-from inference_engine.bus.client import AsyncEngineClient
+from inference_engine.bus.client import AsyncEngineClient, AsyncGenerationStream, _OutputReader
 from inference_engine.bus.redis_server import RedisServer
 from inference_engine.errors import (
     EngineOverloadedError,
@@ -316,3 +316,27 @@ def test_waiting_requests_hold_no_redis_connection(serve, redis_server, prefix):
             await client.close()
 
     assert asyncio.run(main()) == [3] * 24
+
+
+def test_a_new_request_is_not_held_up_by_a_read_in_progress(redis_server, raw_redis, prefix, monkeypatch):
+    """The async client reads every request's output with one blocking XREAD; a request that starts while
+    that read waits on the others' streams wakes it, instead of waiting for it to time out."""
+    monkeypatch.setattr(_OutputReader, "BLOCK_MS", 5_000)  # under the socket timeout
+
+    async def main():
+        client = AsyncEngineClient(redis_server.url, prefix=prefix)
+        try:
+            quiet = AsyncGenerationStream(client, MODEL, "quiet")  # its read blocks: no engine writes to it
+            await asyncio.sleep(0.2)
+            newcomer = AsyncGenerationStream(client, MODEL, "newcomer")
+            raw_redis.xadd(P.Keys(prefix).output("newcomer"), P.encode(P.Ack(3, "replica")))
+            (_, message), *_ = await asyncio.wait_for(newcomer._queue.get(), 2)
+            assert isinstance(message, P.Ack) and message.prompt_tokens == 3
+            assert quiet._queue.empty()
+            for stream in (quiet, newcomer):  # the reader ends at its next read, which this entry ends
+                stream._unsubscribe()
+            raw_redis.xadd(P.Keys(prefix).output("quiet"), P.encode(P.Ack(1, "replica")))
+        finally:
+            await client.close()
+
+    asyncio.run(main())
