@@ -7,17 +7,24 @@ most recently admitted sequence is preempted: its blocks are freed and it is rec
 (or, with swap space, its blocks are copied to CPU memory and back). Requests are ordered by
 (priority, arrival), so interactive traffic at priority 0 runs ahead of bulk jobs at a higher value;
 a step that admits a more urgent request leaves the less urgent running sequences out, so its first
-token waits for its own prefill only, not for a full batch of bulk decodes as well.
+token waits for its own prefill only, not for a full batch of bulk decodes as well. And while interactive
+requests come in, low-priority prompts are prefilled in small chunks (as many tokens a step as sequences
+decode in it), so no step grows long enough to keep a newly arrived interactive request waiting long.
 """
 
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass, field
 
 from inference_engine.block_manager import BlockManager
 from inference_engine.config import EngineConfig
 from inference_engine.sequence import Sequence, SequenceStatus
+
+# Seconds after an interactive (priority <= 0) request during which low-priority prompts prefill in small
+# chunks: about the pause between the turns of a chat.
+INTERACTIVE_WINDOW = 30.0
 
 
 def _order(seq: Sequence) -> tuple[int, float, int]:
@@ -48,10 +55,14 @@ class Scheduler:
         self.running: list[Sequence] = []  # sorted by _order
         self.swapped: list[Sequence] = []  # sorted by _order; resumed before any new admission
         self.num_preemptions = 0
+        self.block_size = block_manager.block_size
+        self._interactive_at = -INTERACTIVE_WINDOW  # when the last interactive request arrived
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         bisect.insort(self.waiting, seq, key=_order)
+        if seq.group.priority <= 0:
+            self._interactive_at = time.monotonic()
 
     def add_running(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.RUNNING
@@ -70,6 +81,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         self._make_room_for_urgent(out)
         cutoff = self._urgent_admission_priority()
+        low_prefill = self._low_priority_prefill_budget()
         out_of_blocks = False
         i = 0
         while i < len(self.running) and budget > 0:
@@ -77,6 +89,12 @@ class Scheduler:
             if cutoff is not None and seq.group.priority > cutoff:
                 break  # running is sorted by priority: the rest wait one step for the urgent prefill
             n = min(len(seq) - seq.num_computed_tokens, budget)
+            if n > 1 and seq.group.priority > 0 and low_prefill is not None:
+                n = min(n, low_prefill)
+                low_prefill -= n
+                if n == 0:
+                    i += 1
+                    continue
             if seq.draft_token_ids:  # speculative proposals ride along where budget and blocks allow
                 drafts = seq.draft_token_ids[: budget - n]
                 while drafts and not self.block_manager.can_append(seq, n + len(drafts)):
@@ -104,6 +122,11 @@ class Scheduler:
             if queue is None or (cutoff is not None and queue[0].group.priority > cutoff):
                 break
             seq = queue[0]
+            n = min(len(seq) - seq.num_computed_tokens, budget)
+            if seq.group.priority > 0 and low_prefill is not None:
+                if low_prefill == 0:
+                    break
+                n = min(n, low_prefill)
             if queue is self.swapped:
                 if not self.block_manager.can_swap_in(seq, reserve=self.watermark):
                     break
@@ -111,14 +134,14 @@ class Scheduler:
             else:
                 if seq.group.params.prompt_logprobs is None:
                     self.block_manager.match_prefix(seq)
-                if not self.block_manager.can_append(
-                    seq, min(len(seq) - seq.num_computed_tokens, budget), reserve=self.watermark
-                ):
+                n = min(len(seq) - seq.num_computed_tokens, n)  # the prefix match may have covered some
+                if not self.block_manager.can_append(seq, n, reserve=self.watermark):
                     self.block_manager.free_seq(seq)  # undo the prefix match; retry next step
                     seq.num_computed_tokens = seq.num_cached_tokens = 0
                     break
             queue.pop(0)
-            n = min(len(seq) - seq.num_computed_tokens, budget)
+            if seq.group.priority > 0 and low_prefill is not None:
+                low_prefill -= n
             out.block_copies += self.block_manager.append_slots(seq, n)
             self.add_running(seq)
             out.seqs.append(seq)
@@ -141,6 +164,15 @@ class Scheduler:
             if len(self.running) < self.max_num_seqs and fits:
                 break
             self._preempt(victim, out)
+
+    def _low_priority_prefill_budget(self) -> int | None:
+        """Prompt tokens low-priority sequences may prefill this step, all together: None (no bound) unless
+        an interactive request arrived within `INTERACTIVE_WINDOW`; then as many as sequences decode this
+        step (at least a block), which keeps a step within about twice a decode step's work."""
+        if time.monotonic() - self._interactive_at > INTERACTIVE_WINDOW:
+            return None
+        decoding = sum(1 for seq in self.running if len(seq) - seq.num_computed_tokens == 1)
+        return max(self.block_size, decoding)
 
     def _urgent_admission_priority(self) -> int | None:
         """The priority of a waiting request that is more urgent than some running sequence and can be

@@ -111,3 +111,39 @@ def test_urgent_request_preempts_bulk_work_and_outputs_stay_identical(hf_greedy)
         out = outputs[rid]
         assert out.finished and out.outputs[0].token_ids == hf_greedy[tuple(out.prompt_token_ids)], prompt
     assert_all_blocks_free(llm)
+
+
+def test_low_priority_prompts_prefill_in_small_chunks_while_interactive_requests_arrive(hf_greedy):
+    """Without interactive traffic a bulk prompt prefills in one step; after an interactive request arrives,
+    a bulk prompt prefills at most max(block, sequences decoding) tokens a step, so steps stay short."""
+    llm = LLM(dtype="float32", max_num_seqs=4)
+    engine = llm.engine
+    computed = {}
+
+    def step() -> None:
+        for out in engine.step():
+            outputs[out.request_id] = out
+        for seq in engine.scheduler.running:
+            computed[seq.group.request_id] = seq.num_computed_tokens
+
+    outputs = {}
+    engine.add_request("bulk0", PROMPTS[15], greedy(), priority=10)
+    step()
+    prompt_len = {
+        rid: len(engine.tokenizer.encode(p)) for rid, p in (("bulk0", PROMPTS[15]), ("bulk1", PROMPTS[9]))
+    }
+    assert computed["bulk0"] == prompt_len["bulk0"]  # the whole prompt at once
+    engine.add_request("chat", PROMPTS[1], greedy(), priority=0)
+    step()
+    engine.add_request("bulk1", PROMPTS[9], greedy(), priority=10)
+    step()
+    block = engine.block_manager.block_size
+    assert prompt_len["bulk1"] > block and computed["bulk1"] == block  # two sequences decode: one block
+    step()
+    assert computed["bulk1"] == min(2 * block, prompt_len["bulk1"])
+    while engine.has_unfinished_requests():
+        step()
+    for rid, prompt in (("bulk0", PROMPTS[15]), ("chat", PROMPTS[1]), ("bulk1", PROMPTS[9])):
+        out = outputs[rid]
+        assert out.finished and out.outputs[0].token_ids == hf_greedy[tuple(out.prompt_token_ids)], prompt
+    assert_all_blocks_free(llm)
