@@ -26,6 +26,9 @@ Keys (``{p}`` is the namespace prefix, ``llmserve`` by default)
 ``{p}:out:{request_id}``    Output stream of one request, written only by the engine; ``EXPIRE``
                             (``output_ttl``) set on its first and last write and refreshed every quarter TTL
                             in between. A stream, not pub/sub: late readers lose nothing.
+``{p}:wake:{reader}``        Wake-up stream of one async client's shared output read (one entry, expires):
+                            a new request adds an entry, which ends the blocking ``XREAD`` in progress so
+                            the next one includes the new request's output stream.
 ``{p}:rid:{request_id}``    ``SET NX`` by the client when it submits: a request id is accepted once
                             (``id_ttl``), so duplicates never run twice.
 ``{p}:abort:{request_id}``  Abort marker (``SET`` with TTL) checked by the engine when it picks a request up.
