@@ -77,15 +77,6 @@ def _rss_bytes() -> int:
     return 0
 
 
-def _bf16_bytes(llm: LLM) -> int:
-    mc = llm.engine.runner.model_config
-    kv = mc.num_key_value_heads * mc.head_dim
-    layer = mc.hidden_size * (2 * mc.num_attention_heads * mc.head_dim + 2 * kv)
-    layer += 3 * mc.hidden_size * mc.intermediate_size + 2 * mc.hidden_size
-    heads = 1 if mc.tie_word_embeddings else 2
-    return 2 * (mc.num_hidden_layers * layer + heads * mc.vocab_size * mc.hidden_size + mc.hidden_size)
-
-
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -164,7 +155,7 @@ def main() -> None:
 
     memory = {
         "engine_weight_bytes": llm.engine.runner.weight_bytes,
-        "bf16_bytes": _bf16_bytes(llm),
+        "bf16_bytes": 2 * llm.engine.runner.model_config.num_parameters,
         "file_bytes": model.stat().st_size,
         "engine_rss_bytes": _rss_bytes(),
     }

@@ -14,7 +14,7 @@ import pytest
 
 from inference_engine import LLM, SamplingParams
 from inference_engine.layers.linear import LinearBase
-from inference_engine.model_loader import ModelConfig, default_model_path, load_model
+from inference_engine.model_loader import default_model_path, load_model
 
 from . import quant_checkpoints as qc
 from .conftest import PROMPTS, assert_all_blocks_free, greedy
@@ -134,22 +134,13 @@ def test_bundled_q4_1_in_bf16_departs_only_at_near_ties(bundled_pair):
     assert_all_blocks_free(dense)
 
 
-def _bf16_bytes(mc: ModelConfig) -> int:
-    """The model's parameters in bf16 (a tied head counted once)."""
-    kv = mc.num_key_value_heads * mc.head_dim
-    layer = mc.hidden_size * (2 * mc.num_attention_heads * mc.head_dim + 2 * kv)
-    layer += 3 * mc.hidden_size * mc.intermediate_size + 2 * mc.hidden_size
-    heads = 1 if mc.tie_word_embeddings else 2
-    return 2 * (mc.num_hidden_layers * layer + heads * mc.vocab_size * mc.hidden_size + mc.hidden_size)
-
-
 def test_bundled_q4_1_weights_take_a_fraction_of_their_bf16_size(bundled_pair):
     """Resident weight bytes against the model's bf16 size. The file keeps its tied embedding / LM head
     (a fifth of the parameters) in Q8_0, so even stored as in the file (5 bits per Q4_1 weight, 8.5 per
     Q8_0 one) the model takes 36 % of its bf16 size; the engine's formats hold fp32 scales and offsets,
     and how the kernels pack the values is theirs to choose (one byte per 4-bit value takes 61 %)."""
     quantized, dense = bundled_pair
-    ours, bf16 = quantized.engine.runner.weight_bytes, _bf16_bytes(quantized.engine.runner.model_config)
+    ours, bf16 = quantized.engine.runner.weight_bytes, 2 * quantized.engine.runner.model_config.num_parameters
     ratio = ours / bf16
     print(
         f"weights: {ours / 2**20:.1f} MiB quantized ({100 * ratio:.1f} % of {bf16 / 2**20:.1f} MiB in bf16); "
