@@ -146,8 +146,21 @@ class LlamaServer:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
+        self.repack = True  # llama.cpp's weight repacking for its CPU kernels (see `__enter__`)
 
     def __enter__(self) -> LlamaServer:
+        try:
+            return self._start()
+        except LlamaCppUnavailable as exc:
+            if not self.repack or "exited" not in str(exc):
+                raise
+        # Its repacked Q4 path crashes at load on some CPUs (seen with Q4_1 on an AMX Xeon): start it
+        # without repacking, and say so, since that path is slower.
+        print("llama-server crashed at load; starting it again with --no-repack", flush=True)
+        self.repack = False
+        return self._start()
+
+    def _start(self) -> LlamaServer:
         cmd = [str(self.binary), "-m", str(self.model), "--host", "127.0.0.1", "--port", str(self.port)]
         cmd += [
             "-t",
@@ -160,6 +173,7 @@ class LlamaServer:
             str(self.ctx),
         ]
         cmd += ["-b", "2048", "-ub", "512", "--no-webui", "--cont-batching", "--log-disable"]
+        cmd += [] if self.repack else ["--no-repack"]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:

@@ -144,14 +144,14 @@ def main() -> None:
                 model, parallel=1, ctx_per_slot=ctx_per_slot, threads=args.threads, binary=binary
             ) as s:
                 s.complete("warm up", 4)
-                runs["llama_decode"].append(llamacpp_decode(s, args.decode_tokens))
+                runs["llama_decode"].append({**llamacpp_decode(s, args.decode_tokens), "repack": s.repack})
         runs["engine_workload"].append(run_engine(llm, requests))
         if binary is not None:
             with LlamaServer(
                 model, parallel=len(requests), ctx_per_slot=ctx_per_slot, threads=args.threads, binary=binary
             ) as s:
                 s.complete("warm up", 4)
-                runs["llama_workload"].append(llamacpp_workload(s, requests))
+                runs["llama_workload"].append({**llamacpp_workload(s, requests), "repack": s.repack})
 
     memory = {
         "engine_weight_bytes": llm.engine.runner.weight_bytes,
