@@ -123,7 +123,8 @@ class Scheduler:
                 break
             seq = queue[0]
             n = min(len(seq) - seq.num_computed_tokens, budget)
-            if seq.group.priority > 0 and low_prefill is not None:
+            capped = n > 1 and seq.group.priority > 0 and low_prefill is not None
+            if capped:
                 if low_prefill == 0:
                     break
                 n = min(n, low_prefill)
@@ -140,7 +141,7 @@ class Scheduler:
                     seq.num_computed_tokens = seq.num_cached_tokens = 0
                     break
             queue.pop(0)
-            if seq.group.priority > 0 and low_prefill is not None:
+            if capped:
                 low_prefill -= n
             out.block_copies += self.block_manager.append_slots(seq, n)
             self.add_running(seq)

@@ -1,5 +1,5 @@
 """The engine's linear layers: parts loaded, fused and packed for the kernels give the plain matmul's
-result, dense (oneDNN-prepacked bf16: bit-identical) and quantized, fused formats mixed included."""
+result, dense (oneDNN-prepacked bf16: within the last bit) and quantized, fused formats mixed included."""
 
 import pytest
 import torch
@@ -61,7 +61,9 @@ def test_dense_layer_equals_plain_matmul(kind, rows):
         expected = F.linear(x, weight) + (0 if layer.bias is None else layer.bias)
     else:
         expected = F.linear(x, weight, layer.bias)
-    assert torch.equal(layer(x), expected)
+    # Bit-identical where oneDNN's prepacked kernel and F.linear sum in the same order; on AMX CPUs their
+    # prompt-sized calls block the inputs differently, and a sum can round to the neighbouring bf16 value.
+    torch.testing.assert_close(layer(x).float(), expected.float(), rtol=2**-7, atol=1e-3)
 
 
 def test_fused_parts_of_different_formats_stay_separate_matmuls():
