@@ -195,7 +195,9 @@ def _metrics(stack) -> dict[str, float]:
 
 
 def _settled_metrics(stack) -> dict[str, float]:
-    """/metrics once the engine heartbeats have caught up (both token totals stopped moving)."""
+    """/metrics once the engine heartbeats have caught up (both token totals stopped moving). Reads are
+    0.6 s apart: the engine publishes every 0.25 s, but only between its idle waits on Redis (0.1 s), so two
+    reads closer than that could both see the heartbeat from before the last request finished."""
     previous = None
     for _ in range(40):
         current = _metrics(stack)
@@ -205,7 +207,7 @@ def _settled_metrics(stack) -> dict[str, float]:
         ):
             return current
         previous = current
-        time.sleep(0.3)
+        time.sleep(0.6)
     return current
 
 
