@@ -55,7 +55,6 @@ class Scheduler:
         self.running: list[Sequence] = []  # sorted by _order
         self.swapped: list[Sequence] = []  # sorted by _order; resumed before any new admission
         self.num_preemptions = 0
-        self.block_size = block_manager.block_size
         self._interactive_at = -INTERACTIVE_WINDOW  # when the last interactive request arrived
 
     def add(self, seq: Sequence) -> None:
@@ -79,8 +78,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        self._make_room_for_urgent(out)
-        cutoff = self._urgent_admission_priority()
+        cutoff = self._make_room_for_urgent(out)
         low_prefill = self._low_priority_prefill_budget()
         out_of_blocks = False
         i = 0
@@ -150,8 +148,10 @@ class Scheduler:
             budget -= n
         return out
 
-    def _make_room_for_urgent(self, out: SchedulerOutput) -> None:
-        """Preempts less urgent running sequences while a more urgent request cannot be admitted.
+    def _make_room_for_urgent(self, out: SchedulerOutput) -> int | None:
+        """Preempts less urgent running sequences while a more urgent request cannot be admitted. Returns
+        that request's priority once it can be admitted beside less urgent running sequences (which then sit
+        out this step); None when there is no such request (then every running sequence is scheduled).
 
         Without this, a queue full of bulk work would hold every slot and an interactive request
         would wait for whole bulk generations to finish before its first token.
@@ -159,12 +159,13 @@ class Scheduler:
         while self.waiting and self.running:
             urgent, victim = self.waiting[0], self.running[-1]
             if urgent.group.priority >= victim.group.priority:
-                break
+                return None
             first_chunk = min(len(urgent), self.max_num_batched_tokens)
             fits = self.block_manager.can_append(urgent, first_chunk, reserve=self.watermark)
             if len(self.running) < self.max_num_seqs and fits:
-                break
+                return urgent.group.priority
             self._preempt(victim, out)
+        return None
 
     def _low_priority_prefill_budget(self) -> int | None:
         """Prompt tokens low-priority sequences may prefill this step, all together: None (no bound) unless
@@ -173,20 +174,7 @@ class Scheduler:
         if time.monotonic() - self._interactive_at > INTERACTIVE_WINDOW:
             return None
         decoding = sum(1 for seq in self.running if len(seq) - seq.num_computed_tokens == 1)
-        return max(self.block_size, decoding)
-
-    def _urgent_admission_priority(self) -> int | None:
-        """The priority of a waiting request that is more urgent than some running sequence and can be
-        admitted now; None when there is none (then every running sequence is scheduled)."""
-        if not self.waiting or not self.running:
-            return None
-        urgent = self.waiting[0]
-        if urgent.group.priority >= self.running[-1].group.priority or len(self.running) >= self.max_num_seqs:
-            return None
-        first_chunk = min(len(urgent) - urgent.num_computed_tokens, self.max_num_batched_tokens)
-        if not self.block_manager.can_append(urgent, first_chunk, reserve=self.watermark):
-            return None
-        return urgent.group.priority
+        return max(self.block_manager.block_size, decoding)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Swaps the sequence's KV out to CPU blocks when swap space allows; otherwise drops the KV,
