@@ -31,6 +31,7 @@ _FLAGS = [
     "-fno-trapping-math",
     "-fassociative-math",  # lets the compiler vectorise fp32 dot products (reassociates the sums)
     "-fno-signed-zeros",
+    "-Werror=implicit-function-declaration",  # an intrinsic the CPU lacks fails the build, not the load
     "-shared",
     "-fPIC",
 ]

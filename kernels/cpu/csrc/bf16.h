@@ -1,10 +1,14 @@
-/* Helpers shared by the CPU kernels: bf16 <-> fp32 conversions (bf16 is the top half of an fp32), an exp
- * that vectorises and, with AVX-512, the lane mask of a partial last vector. */
+/* Helpers shared by the CPU kernels: bf16 <-> fp32 and fp16 -> fp32 conversions (bf16 is the top half of an
+ * fp32), an exp that vectorises and, with AVX-512, the lane mask of a partial last vector. */
 #ifndef LLMSERVE_BF16_H
 #define LLMSERVE_BF16_H
 
 #include <stdint.h>
 #include <string.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 static inline float bf16_to_float(uint16_t x) {
     uint32_t bits = (uint32_t)x << 16;
@@ -21,6 +25,27 @@ static inline uint16_t float_to_bf16(float f) {
     return (uint16_t)((bits & 0x7fffffffu) > 0x7f800000u ? quiet : rounded);
 }
 
+/* IEEE half to float: the F16C instruction where the CPU has it, else by hand (subnormals included). */
+static inline float half_to_float(uint16_t h) {
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu, bits;
+    if (exponent == 0x1f) {
+        bits = sign | 0x7f800000u | (mantissa << 13);
+    } else if (exponent) {
+        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    } else {
+        float f = (float)mantissa * 5.9604644775390625e-8f; /* 2^-24 */
+        memcpy(&bits, &f, sizeof bits);
+        bits |= sign;
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
+}
+
 /* exp(x) for x <= 0 as 2^n * 2^r with |r| <= 1/2 and a degree-6 Taylor polynomial (error ~1e-7,
  * an ulp or so): unlike libm's expf it vectorises (it was a third of the decode attention's time). */
 static inline float expf_nonpositive(float x) {
@@ -34,8 +59,6 @@ static inline float expf_nonpositive(float x) {
 }
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
-
 /* The first min(remaining, 16) lanes of a 16-lane vector. */
 static inline __mmask16 first_lanes(int remaining) {
     return remaining >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << remaining) - 1);

@@ -26,7 +26,7 @@
 struct bf16_weight {
     const uint16_t *tiles;
     int n, k;     /* k even */
-    int portable; /* the plain loops even where AVX512-BF16 is present (tests run both paths) */
+    int portable; /* the plain loops even where vector code is present (tests run both paths) */
 };
 
 static inline int chunk_rows(int m) { /* rows per chunk, as even as MAX_MR allows */
@@ -34,7 +34,7 @@ static inline int chunk_rows(int m) { /* rows per chunk, as even as MAX_MR allow
     return (m + chunks - 1) / chunks;
 }
 
-/* The plain C loops, for CPUs without AVX512-BF16 (vectorised by the compiler for the machine). */
+/* The plain C loops, for CPUs with neither AVX512-BF16 nor AVX2 (vectorised by the compiler). */
 static void tile_portable(const uint16_t *x, long ldx, int mr, const uint16_t *w, int pairs, const uint16_t *bias,
                           uint16_t *out, long ldo, int valid) {
     for (int m = 0; m < mr; m++) {
@@ -104,9 +104,67 @@ static void tile_rows_avx512(const uint16_t *x, long ldx, int mr, const uint16_t
 }
 #endif
 
-/* Whether linear_bf16 runs vdpbf16ps here (1) or the plain loops (0). */
+#if !defined(HAVE_AVX512_BF16) && defined(__AVX2__) && defined(__FMA__)
+#define HAVE_AVX2_FMA 1
+#define MAX_MR_AVX2 4 /* 16 sums in the 16 ymm registers' budget; more rows spill */
+
+/* The same tiles with AVX2: a 32-bit lane of a loaded vector is one row's pair of bf16 weights, so
+ * shifting it left by 16 gives the first weight as fp32 and masking off its low half the second; two
+ * FMAs per lane then add the pair's products (exact in fp32, like vdpbf16ps's) to the row's sum. */
+static inline __attribute__((always_inline)) void tile_avx2(const uint16_t *x, long ldx, const int MR,
+                                                            const uint16_t *w, int pairs, const uint16_t *bias,
+                                                            uint16_t *out, long ldo, int valid) {
+    __m256 acc[MAX_MR_AVX2][4];
+    const __m256i high_half = _mm256_set1_epi32((int)0xffff0000u);
+#pragma GCC unroll 4
+    for (int m = 0; m < MR; m++)
+        for (int g = 0; g < 4; g++) acc[m][g] = _mm256_setzero_ps();
+    for (int p = 0; p < pairs; p++) {
+        const uint16_t *wp = w + (long)p * 2 * TILE;
+        _mm_prefetch((const char *)wp + PREFETCH_BYTES, _MM_HINT_T0);
+        _mm_prefetch((const char *)wp + PREFETCH_BYTES + 64, _MM_HINT_T0);
+        __m256 x0[MAX_MR_AVX2], x1[MAX_MR_AVX2];
+#pragma GCC unroll 4
+        for (int m = 0; m < MR; m++) {
+            x0[m] = _mm256_set1_ps(bf16_to_float(x[m * ldx + 2 * p]));
+            x1[m] = _mm256_set1_ps(bf16_to_float(x[m * ldx + 2 * p + 1]));
+        }
+#pragma GCC unroll 4
+        for (int g = 0; g < 4; g++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(wp + 16 * g));
+            __m256 first = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+            __m256 second = _mm256_castsi256_ps(_mm256_and_si256(v, high_half));
+#pragma GCC unroll 4
+            for (int m = 0; m < MR; m++)
+                acc[m][g] = _mm256_fmadd_ps(second, x1[m], _mm256_fmadd_ps(first, x0[m], acc[m][g]));
+        }
+    }
+    for (int m = 0; m < MR; m++) {
+        float sums[TILE];
+        for (int g = 0; g < 4; g++) _mm256_storeu_ps(sums + 8 * g, acc[m][g]);
+        for (int j = 0; j < valid; j++)
+            out[m * ldo + j] = float_to_bf16(sums[j] + (bias ? bf16_to_float(bias[j]) : 0.f));
+    }
+}
+
+static void tile_rows_avx2(const uint16_t *x, long ldx, int mr, const uint16_t *w, int pairs, const uint16_t *bias,
+                           uint16_t *out, long ldo, int valid) {
+    for (int r = 0; r < mr; r += MAX_MR_AVX2) {
+        const uint16_t *xr = x + r * ldx;
+        uint16_t *o = out + r * ldo;
+        switch (mr - r < MAX_MR_AVX2 ? mr - r : MAX_MR_AVX2) {
+        case 1: tile_avx2(xr, ldx, 1, w, pairs, bias, o, ldo, valid); break;
+        case 2: tile_avx2(xr, ldx, 2, w, pairs, bias, o, ldo, valid); break;
+        case 3: tile_avx2(xr, ldx, 3, w, pairs, bias, o, ldo, valid); break;
+        default: tile_avx2(xr, ldx, 4, w, pairs, bias, o, ldo, valid);
+        }
+    }
+}
+#endif
+
+/* Whether linear_bf16 runs vector code of its own here (1: AVX512-BF16 or AVX2) or the plain loops (0). */
 int linear_bf16_native(void) {
-#ifdef HAVE_AVX512_BF16
+#if defined(HAVE_AVX512_BF16) || defined(HAVE_AVX2_FMA)
     return 1;
 #else
     return 0;
@@ -131,6 +189,11 @@ void linear_bf16(const struct bf16_weight *w, const uint16_t *x, long ldx, int m
 #ifdef HAVE_AVX512_BF16
                 if (!w->portable) {
                     tile_rows_avx512(xr, ldx, rows, wt, pairs, b, o, w->n, valid);
+                    continue;
+                }
+#elif defined(HAVE_AVX2_FMA)
+                if (!w->portable) {
+                    tile_rows_avx2(xr, ldx, rows, wt, pairs, b, o, w->n, valid);
                     continue;
                 }
 #endif

@@ -63,7 +63,7 @@ static inline float load_value(const uint8_t *p, int j, int half) {
     if (half) {
         uint16_t h;
         memcpy(&h, p + 2 * j, 2);
-        return _cvtsh_ss(h);
+        return half_to_float(h);
     }
     float f;
     memcpy(&f, p + 4 * j, 4);
