@@ -199,7 +199,7 @@ def _check_ids(ids: torch.Tensor, rows: int) -> None:
 
 
 def native_bf16() -> bool:
-    """Whether the bf16 kernel runs AVX512-BF16 here (else its plain C loops, or nothing)."""
+    """Whether the bf16 kernel runs vector code here, AVX512-BF16 or AVX2 (else plain C loops, or nothing)."""
     fn = function("linear_bf16_native", i32)
     return fn is not None and bool(fn())
 
@@ -420,7 +420,8 @@ class _DequantizedMatmul:
 
 
 def native_quant() -> bool:
-    """Whether the quantized kernel runs AVX512-VNNI here (else its plain C loops, or nothing)."""
+    """Whether the quantized kernel runs vector code here, AVX512-VNNI or AVX2 (else its plain C loops, or
+    nothing)."""
     fn = function("linear_quant_native", i32)
     return fn is not None and bool(fn())
 

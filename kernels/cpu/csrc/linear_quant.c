@@ -31,6 +31,7 @@
 #define QTILE 16
 #define XBLOCK 32 /* columns of x per int8 scale */
 #define MAX_QMR 8
+#define PREFETCH_BYTES 1024 /* how far ahead of the loads each thread asks for its stream */
 #define STACK_SCRATCH (64 * 1024) /* quantized x up to this size lives on the stack, not the heap */
 
 /* A packed weight, set up once per layer by the caller. */
@@ -42,7 +43,7 @@ struct qweight {
     int sub;             /* columns per sub-block: 32, or 16 for groups of 16 */
     int bits;            /* 4 or 8 */
     int half;            /* scales and offsets stored as fp16 (1) or fp32 (0) */
-    int portable;        /* the plain C loops even where AVX512-VNNI is present (tests run both) */
+    int portable;        /* the plain C loops even where vector code is present (tests run both) */
 };
 
 /* x quantized per XBLOCK: hi and lo [M, k], scales [M, k / XBLOCK]; per row and group, the exact sum of
@@ -164,7 +165,7 @@ static inline void store_row(void *out, long at, const float *y, const void *bia
     }
 }
 
-/* The plain C loops over the same layout, for CPUs without AVX512-VNNI. */
+/* The plain C loops over the same layout, for CPUs with neither AVX512-VNNI nor AVX2. */
 static void qtile_portable(const struct qweight *w, const uint8_t *tile, const struct qx *x, int m0, int mr,
                            const void *bias, int is_bf16, void *out, int valid) {
     int groups = w->k / w->group, xblocks = w->k / XBLOCK, vec_cols = w->bits == 4 ? 8 : 4;
@@ -306,9 +307,119 @@ static void qtile_rows_avx512(const struct qweight *w, const uint8_t *tile, cons
 }
 #endif
 
-/* Whether linear_quant runs vpdpbusd here (1) or the plain loops (0). */
+#if !defined(HAVE_AVX512_VNNI) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define HAVE_AVX2_QUANT 1
+#define MAX_QMR_AVX2 2 /* rows a pass: each takes 4-6 of the 16 ymm registers */
+
+static inline __m256 load_values8(const uint8_t *p, const int HALF) {
+    return HALF ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)) : _mm256_loadu_ps((const float *)p);
+}
+
+/* The same tiles with AVX2, in two passes of 8 rows (a unit's 32-byte halves). vpmaddubsw multiplies
+ * unsigned weight bytes by signed x bytes and adds adjacent pairs into 16 bits, saturating: weights are
+ * therefore taken as nibbles (0..15; an 8-bit weight is 16 * high + low), which keeps a pair at most
+ * 2 * 15 * 128 and a sub-block's sum of 8 such pairs within int16. vpmaddwd by ones then widens each lane's
+ * pairs to the int32 vpdpbusd would give, and from there the arithmetic is the AVX-512 path's. */
+static inline __attribute__((always_inline)) void qtile_avx2(const struct qweight *w, const uint8_t *tile,
+                                                             const struct qx *x, int m0, const int MR,
+                                                             const int BITS, const int SUB, const int HALF,
+                                                             const void *bias, int is_bf16, void *out, int valid) {
+    const int UNITS = SUB * BITS / 32, SIZE = HALF ? 2 : 4, size = is_bf16 ? 2 : 4;
+    const int groups = w->k / w->group, subs = w->group / SUB, xblocks = w->k / XBLOCK;
+    const long weight_bytes = (long)w->group * BITS / 8 * QTILE, gbytes = group_bytes(w);
+    const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    for (int half = 0; half < 2; half++) {
+        const int8_t *xh[MAX_QMR_AVX2], *xl[MAX_QMR_AVX2];
+        __m256 y[MAX_QMR_AVX2];
+#pragma GCC unroll 4
+        for (int m = 0; m < MR; m++) {
+            xh[m] = x->hi + (long)(m0 + m) * w->k;
+            xl[m] = x->lo + (long)(m0 + m) * w->k;
+            y[m] = _mm256_setzero_ps();
+        }
+        for (int g = 0, c = 0; g < groups; g++) {
+            const uint8_t *q = tile + g * gbytes, *p = q + 32 * half;
+            __m256 gacc[MAX_QMR_AVX2];
+#pragma GCC unroll 4
+            for (int m = 0; m < MR; m++) gacc[m] = _mm256_set1_ps(x->gcorr[(long)(m0 + m) * groups + g]);
+            for (int s = 0; s < subs; s++, c += SUB) {
+                __m256i hi16[MAX_QMR_AVX2][2], lo16[MAX_QMR_AVX2][2];
+#pragma GCC unroll 4
+                for (int m = 0; m < MR; m++)
+                    hi16[m][0] = hi16[m][1] = lo16[m][0] = lo16[m][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+                for (int u = 0; u < UNITS; u++, p += 64) {
+                    _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T0);
+                    __m256i v = _mm256_loadu_si256((const __m256i *)p);
+                    __m256i wl = _mm256_and_si256(v, low), wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+#pragma GCC unroll 4
+                    for (int m = 0; m < MR; m++) {
+                        int32_t h0, l0, h1, l1;
+                        int col = BITS == 4 ? c + 8 * u : c + 4 * u, second = BITS == 4 ? col + 4 : col;
+                        memcpy(&h0, xh[m] + col, 4), memcpy(&l0, xl[m] + col, 4);
+                        memcpy(&h1, xh[m] + second, 4), memcpy(&l1, xl[m] + second, 4);
+                        __m256i xh0 = _mm256_set1_epi32(h0), xl0 = _mm256_set1_epi32(l0);
+                        __m256i xh1 = _mm256_set1_epi32(h1), xl1 = _mm256_set1_epi32(l1);
+                        const int j = BITS == 4 ? 0 : 1; /* int4: columns of both nibbles add up alike */
+                        hi16[m][0] = _mm256_add_epi16(hi16[m][0], _mm256_maddubs_epi16(wl, xh0));
+                        lo16[m][0] = _mm256_add_epi16(lo16[m][0], _mm256_maddubs_epi16(wl, xl0));
+                        hi16[m][j] = _mm256_add_epi16(hi16[m][j], _mm256_maddubs_epi16(wh, xh1));
+                        lo16[m][j] = _mm256_add_epi16(lo16[m][j], _mm256_maddubs_epi16(wh, xl1));
+                    }
+                }
+#pragma GCC unroll 4
+                for (int m = 0; m < MR; m++) {
+                    __m256i dh = _mm256_madd_epi16(hi16[m][0], ones), dl = _mm256_madd_epi16(lo16[m][0], ones);
+                    if (BITS == 8) {
+                        dh = _mm256_add_epi32(dh, _mm256_slli_epi32(_mm256_madd_epi16(hi16[m][1], ones), 4));
+                        dl = _mm256_add_epi32(dl, _mm256_slli_epi32(_mm256_madd_epi16(lo16[m][1], ones), 4));
+                    }
+                    __m256 sum = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(dh, 8), dl));
+                    gacc[m] = _mm256_fmadd_ps(sum, _mm256_set1_ps(x->scale[(long)(m0 + m) * xblocks + c / XBLOCK]),
+                                              gacc[m]);
+                }
+            }
+            __m256 d = load_values8(q + weight_bytes + 8 * half * SIZE, HALF);
+#pragma GCC unroll 4
+            for (int m = 0; m < MR; m++) y[m] = _mm256_fmadd_ps(d, gacc[m], y[m]);
+            if (BITS == 4) {
+                __m256 off = load_values8(q + weight_bytes + QTILE * SIZE + 8 * half * SIZE, HALF);
+#pragma GCC unroll 4
+                for (int m = 0; m < MR; m++)
+                    y[m] = _mm256_fmadd_ps(off, _mm256_set1_ps(x->gsum[(long)(m0 + m) * groups + g]), y[m]);
+            }
+        }
+        int rows = valid - 8 * half < 8 ? valid - 8 * half : 8;
+        for (int m = 0; m < MR && rows > 0; m++) {
+            float sums[8];
+            _mm256_storeu_ps(sums, y[m]);
+            const void *b = bias ? (const char *)bias + 8 * half * size : 0;
+            store_row(out, (long)(m0 + m) * w->n + 8 * half, sums, b, is_bf16, rows);
+        }
+    }
+}
+
+static void qtile_rows_avx2(const struct qweight *w, const uint8_t *tile, const struct qx *x, int m0, int mr,
+                            const void *bias, int is_bf16, void *out, int valid) {
+#define CASE(MR, BITS, SUB, HALF)                                                              \
+    if (rows == MR && w->bits == BITS && w->sub == SUB && w->half == HALF) {                  \
+        qtile_avx2(w, tile, x, m, MR, BITS, SUB, HALF, bias, is_bf16, out, valid);            \
+        continue;                                                                              \
+    }
+#define ROWS(BITS, SUB, HALF) CASE(1, BITS, SUB, HALF) CASE(2, BITS, SUB, HALF)
+    for (int m = m0; m < m0 + mr; m += MAX_QMR_AVX2) {
+        int rows = m0 + mr - m < MAX_QMR_AVX2 ? m0 + mr - m : MAX_QMR_AVX2;
+        ROWS(4, 32, 1) ROWS(4, 32, 0) ROWS(4, 16, 1) ROWS(4, 16, 0)
+        ROWS(8, 32, 1) ROWS(8, 32, 0) ROWS(8, 16, 1) ROWS(8, 16, 0)
+    }
+#undef ROWS
+#undef CASE
+}
+#endif
+
+/* Whether linear_quant runs vector code of its own here (1: AVX512-VNNI or AVX2) or the plain loops (0). */
 int linear_quant_native(void) {
-#ifdef HAVE_AVX512_VNNI
+#if defined(HAVE_AVX512_VNNI) || defined(HAVE_AVX2_QUANT)
     return 1;
 #else
     return 0;
@@ -364,6 +475,11 @@ int linear_quant(const struct qweight *w, const void *x, long ldx, int m, int is
 #ifdef HAVE_AVX512_VNNI
                 if (!w->portable) {
                     qtile_rows_avx512(w, tp, &qx, r, rows, b, is_bf16, o, valid);
+                    continue;
+                }
+#elif defined(HAVE_AVX2_QUANT)
+                if (!w->portable) {
+                    qtile_rows_avx2(w, tp, &qx, r, rows, b, is_bf16, o, valid);
                     continue;
                 }
 #endif
