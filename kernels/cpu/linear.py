@@ -216,9 +216,9 @@ def _timed_plan(
     native: Callable, other: Callable, k: int, dtype: torch.dtype, other_costs_memory: bool
 ) -> _Plan:
     """Times two routines on random rows (interleaved, best of a few) and finds up to how many rows the
-    native one is the faster (halving the candidates: its lead shrinks as rows grow). Where the other
-    routine needs its own copy of the weight, the native one serves every row count if it is within a
-    tenth of the other at `_LARGE_ROWS` rows, sparing that copy.
+    native one is the faster: all of them if it is at `_LARGE_ROWS` rows (its lead shrinks as rows grow),
+    else by halving the candidates. Where the other routine needs its own copy of the weight, the native
+    one serves every row count if it is within a tenth of the other at `_LARGE_ROWS` rows, sparing that copy.
 
     Timed on one thread: both routines split their work over threads alike, and with two threads any
     other busy process makes each call wait for a descheduled thread (LM head, 2 rows, two threads on a
@@ -242,7 +242,7 @@ def _timed_plan(
 
 
 def _search(native_faster: Callable[..., bool], other_costs_memory: bool) -> _Plan:
-    if other_costs_memory and native_faster(_LARGE_ROWS, margin=1.1):
+    if native_faster(_LARGE_ROWS, margin=1.1 if other_costs_memory else 1.0):
         return _Plan(_ALL, keep_other=False)
     low, high = 0, len(_CANDIDATE_ROWS)  # candidates[:low] measured faster, candidates[high:] not
     while low < high:
@@ -409,13 +409,17 @@ class _QuantTiles:
 
 
 class _DequantizedMatmul:
-    """For many rows: the weight dequantized from the native tiles (C, all threads) to x's dtype, then
-    F.linear (oneDNN or MKL). The dense weight lives for the call only."""
+    """For many rows: the weight dequantized from the native tiles (C, all threads), then F.linear (oneDNN
+    or MKL). The dense weight lives for the call only. bf16 inputs multiply in bf16 where oneDNN has a fast
+    bf16 path (`prepacking_works`), else in fp32, several times faster on a CPU without AVX-512."""
 
     def __init__(self, tiles: _QuantTiles) -> None:
         self.tiles = tiles
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.dtype == BF16 and not prepacking_works(BF16):
+            bias = None if bias is None else bias.float()
+            return F.linear(x.float(), self.tiles.rows(None, torch.float32), bias).to(BF16)
         return F.linear(x, self.tiles.rows(None, x.dtype), bias)
 
 

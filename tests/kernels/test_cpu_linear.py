@@ -225,8 +225,9 @@ def test_dequantized_matmul_routine(gen, rows):
     """What `pack` runs instead of the native kernel for many rows where that measures faster."""
     weight = int4_weight(100, 256, 128, gen, act_order=True)
     routine = cpu_linear._DequantizedMatmul(cpu_linear._QuantTiles(weight))
-    x = rand(gen, rows, 256)
+    x, bias = rand(gen, rows, 256), rand(gen, 100)
     assert_matches(routine(x, None), x, weight.dequantize())
+    assert_matches(routine(x, bias), x, weight.dequantize(), bias)
 
 
 @pytest.mark.parametrize(
