@@ -15,7 +15,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from inference_engine.config import resolve_quantization
-from inference_engine.model_loader import LoadedModel, ModelConfig, Weight, gguf_quant
+from inference_engine.model_loader import LoadedModel, ModelConfig, Weight, gguf_file, gguf_quant
 from inference_engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -59,12 +59,10 @@ _SPLIT_DIGITS = {"smollm", "starcoder", "refact", "command-r", "codeshell"}
 def load(path: Path, quantization: str | None = None) -> LoadedModel:
     """`quantization`: None or "gguf" keeps quantized tensors quantized; "none" and "int8" dequantize
     them (int8 requantizes the dense linear weights afterwards, in the model runner)."""
-    reader = gguf.GGUFReader(str(path))
+    reader = gguf_file.read(path)
     quantized = any(t.tensor_type not in DENSE_TYPES for t in reader.tensors)
     method = resolve_quantization(quantization, "gguf" if quantized else None, f"the GGUF file {path.name}")
-    meta = {
-        name: _field_value(f) for name, f in reader.fields.items() if not name.startswith("tokenizer.ggml.")
-    }
+    meta = {name: value for name, value in reader.fields.items() if not name.startswith("tokenizer.ggml.")}
     arch = meta["general.architecture"]
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
@@ -77,14 +75,7 @@ def load(path: Path, quantization: str | None = None) -> LoadedModel:
     return LoadedModel(name=name, config=config, tokenizer=tokenizer, weights=weights, quantization=method)
 
 
-def _field_value(field: gguf.ReaderField):
-    try:
-        return field.contents()
-    except Exception:  # exotic field types we never read
-        return None
-
-
-def _config(reader: gguf.GGUFReader, meta: dict, arch: str, tokenizer: Tokenizer) -> ModelConfig:
+def _config(reader: gguf_file.GGUFFile, meta: dict, arch: str, tokenizer: Tokenizer) -> ModelConfig:
     def get(key: str, default=None):
         return meta.get(f"{arch}.{key}", default)
 
@@ -129,7 +120,7 @@ def _unpermute_order(rows: int, n_head: int) -> np.ndarray:
 
 
 def _weights(
-    reader: gguf.GGUFReader, config: ModelConfig, keep_quantized: bool
+    reader: gguf_file.GGUFFile, config: ModelConfig, keep_quantized: bool
 ) -> Iterator[tuple[str, Weight]]:
     for tensor in reader.tensors:
         name = _hf_name(tensor.name)
@@ -150,7 +141,7 @@ def _weights(
         yield name, weight
 
 
-def _tensor(tensor: gguf.ReaderTensor, keep_quantized: bool) -> Weight:
+def _tensor(tensor: gguf_file.GGUFTensor, keep_quantized: bool) -> Weight:
     """One tensor in the engine's form: dense fp32, or quantized (`gguf_quant`) where asked and supported."""
     qtype = tensor.tensor_type
     if keep_quantized and qtype in gguf_quant.CONVERTERS:
@@ -168,10 +159,9 @@ def _tensor(tensor: gguf.ReaderTensor, keep_quantized: bool) -> Weight:
     return torch.from_numpy(np.array(array, dtype=np.float32))  # a writable copy of the mmap
 
 
-def _tokenizer(reader: gguf.GGUFReader) -> Tokenizer:
+def _tokenizer(reader: gguf_file.GGUFFile) -> Tokenizer:
     def field(name: str, default=None):
-        f = reader.fields.get(f"tokenizer.ggml.{name}")
-        return f.contents() if f is not None else default
+        return reader.fields.get(f"tokenizer.ggml.{name}", default)
 
     kind = field("model")
     if kind != "gpt2":
@@ -204,11 +194,10 @@ def _tokenizer(reader: gguf.GGUFReader) -> Tokenizer:
         token_id = vocab.get(end_token)
         if token_id is not None and token_id not in eos_ids:
             eos_ids.append(token_id)
-    template = reader.fields.get("tokenizer.chat_template")
     return Tokenizer(
         backend,
         eos_token_ids=eos_ids,
         bos_token_id=field("bos_token_id"),
         add_bos_token=bool(field("add_bos_token", False)),
-        chat_template=template.contents() if template is not None else None,
+        chat_template=reader.fields.get("tokenizer.chat_template"),
     )

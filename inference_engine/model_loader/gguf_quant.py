@@ -13,8 +13,8 @@ this module for the measurement).
     Q8_0  w = d * q                    -> Int8Weight, group 32
     Q6_K  w = d*sc[j] * (q - 32)       -> Int8Weight, group 16 (q - 32 fits int8)
 
-Each function takes the tensor's raw bytes as `GGUFReader` maps them, [rows, bytes per row], and
-gives exactly the values `gguf.dequantize` computes, in the same fp32 arithmetic.
+Each function takes the tensor's raw bytes as `gguf_file` maps them, [rows, bytes per row], and gives
+exactly the values `gguf.dequantize` computes, in the same fp32 arithmetic.
 """
 
 from __future__ import annotations
