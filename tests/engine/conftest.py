@@ -5,7 +5,10 @@ Correctness is judged against transformers: same GGUF file, loaded by its own GG
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +17,7 @@ from inference_engine import LLM, SamplingParams
 from inference_engine.model_loader import default_model_path
 
 THREADS = int(os.environ.get("LLMSERVE_TEST_THREADS", "2"))
+CACHE = Path(os.environ.get("LLMSERVE_CACHE", Path.home() / ".cache" / "llmserve")) / "test-references"
 
 # Varied prompts: short and long, a shared prefix (longer than one block), Chinese, code, a chat turn.
 SHARED = (
@@ -48,17 +52,26 @@ def _threads():
 
 @pytest.fixture(scope="session")
 def hf_greedy(llm: LLM) -> dict[tuple[int, ...], list[int]]:
-    """Hugging Face greedy continuations of PROMPTS (tokenised by our engine), one prompt at a time."""
+    """Hugging Face greedy continuations of PROMPTS (tokenised by our engine), one prompt at a time.
+
+    A minute of transformers on a 2-core CPU, so the result is kept once per machine, under a key of
+    everything it depends on: the model file's bytes, the prompts' token ids, the token count and the
+    transformers and torch versions."""
     transformers = pytest.importorskip("transformers")
     path = default_model_path()
+    tokenizer = llm.get_tokenizer()
+    prompt_ids = [tokenizer.encode(prompt) for prompt in PROMPTS]
+    key = hashlib.sha256(path.read_bytes())
+    key.update(json.dumps([prompt_ids, MAX_TOKENS, transformers.__version__, torch.__version__]).encode())
+    cached = CACHE / f"hf-greedy-{key.hexdigest()[:16]}.json"
+    if cached.exists():
+        return {tuple(ids): out for ids, out in zip(prompt_ids, json.loads(cached.read_text()), strict=True)}
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     ).eval()
-    tokenizer = llm.get_tokenizer()
-    results = {}
+    outputs = []
     with torch.inference_mode():
-        for prompt in PROMPTS:
-            ids = tokenizer.encode(prompt)
+        for ids in prompt_ids:
             out = model.generate(
                 torch.tensor([ids]),
                 max_new_tokens=MAX_TOKENS,
@@ -66,8 +79,12 @@ def hf_greedy(llm: LLM) -> dict[tuple[int, ...], list[int]]:
                 eos_token_id=tokenizer.eos_token_ids,
                 pad_token_id=tokenizer.eos_token_id,
             )
-            results[tuple(ids)] = out[0, len(ids) :].tolist()
-    return results
+            outputs.append(out[0, len(ids) :].tolist())
+    CACHE.mkdir(parents=True, exist_ok=True)
+    scratch = cached.with_suffix(f".{os.getpid()}.tmp")
+    scratch.write_text(json.dumps(outputs))
+    scratch.replace(cached)  # whole or absent, whatever runs beside this one
+    return {tuple(ids): out for ids, out in zip(prompt_ids, outputs, strict=True)}
 
 
 def greedy(max_tokens: int = MAX_TOKENS, **kwargs) -> SamplingParams:
