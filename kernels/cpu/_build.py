@@ -52,18 +52,29 @@ def _cpu_model() -> str:
         return platform.machine()
 
 
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+
+
+@cache
+def library_path() -> Path:
+    """Where the shared object built from these sources, with this compiler and flags, for this CPU lives."""
+    sources = sorted(CSRC.glob("*.c")) + sorted(CSRC.glob("*.h"))
+    code = b"".join(path.read_bytes() for path in sources)
+    key = hashlib.sha256(code + " ".join([str(_compiler()), *_FLAGS, _cpu_model()]).encode()).hexdigest()[:16]
+    return _cache_dir() / f"llmserve-cpu-{key}.so"
+
+
 @cache
 def library() -> ctypes.CDLL | None:
     if os.environ.get("LLMSERVE_CPU_KERNELS", "1") == "0":
         return None
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    compiler = _compiler()
     if compiler is None:
         logger.warning("no C compiler found: the CPU kernels' layers run in PyTorch (slower)")
         return None
     sources = sorted(CSRC.glob("*.c"))
-    code = b"".join(path.read_bytes() for path in [*sources, *sorted(CSRC.glob("*.h"))])
-    key = hashlib.sha256(code + " ".join([compiler, *_FLAGS, _cpu_model()]).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"llmserve-cpu-{key}.so"
+    target = library_path()
     try:
         if not target.exists():
             _compile(compiler, sources, target)

@@ -14,7 +14,9 @@ linear and quantized weights are dequantized on every call.
 from __future__ import annotations
 
 import ctypes
+import json
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import cache
@@ -22,7 +24,7 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu._build import available, function, i32, i64, ptr
+from kernels.cpu._build import available, function, i32, i64, library_path, ptr
 from kernels.quantized import Int4Weight, QuantizedWeight
 from kernels.timing import best_time
 
@@ -256,16 +258,47 @@ def _search(native_faster: Callable[..., bool], other_costs_memory: bool) -> _Pl
     return _Plan(_CANDIDATE_ROWS[low - 1] if low else 0, keep_other=True)
 
 
+def _remembered(key: str, time_it: Callable[[], _Plan]) -> _Plan:
+    """A plan timed once per machine: kept in a file beside the built kernels (whose name changes with their
+    sources, compiler flags and CPU), so later engine starts skip the seconds of timing. Delete the file
+    to time again."""
+    path = library_path().with_suffix(".plans.json")
+    key = f"{key} torch {torch.__version__}"
+    try:
+        plans = json.loads(path.read_text())
+    except (OSError, ValueError):
+        plans = {}
+    if key in plans:
+        return _Plan(*plans[key])
+    plan = time_it()
+    try:  # read again: another engine may have added plans meanwhile
+        plans = json.loads(path.read_text())
+    except (OSError, ValueError):
+        plans = {}
+    plans[key] = [plan.native_rows, plan.keep_other]
+    try:
+        scratch = path.with_suffix(f".{os.getpid()}.tmp")
+        scratch.write_text(json.dumps(plans))
+        scratch.replace(path)
+    except OSError:  # no writable cache: the plan serves this process only
+        pass
+    return plan
+
+
 @cache
 def _dense_plan(n: int, k: int) -> _Plan:
-    """Native bf16 kernel or oneDNN, timed once per weight shape on a random weight."""
+    """Native bf16 kernel or oneDNN, timed once per machine and weight shape on a random weight."""
     if not available():
         return _Plan(0, keep_other=True)
     if not prepacking_works(BF16):
         return _Plan(_ALL, keep_other=False)
-    weight = torch.randn(n, k, generator=torch.Generator().manual_seed(0)).to(BF16)
-    native, onednn = _BF16Tiles(weight, portable=not native_bf16()), _OneDNN(weight, pad=False)
-    return _timed_plan(native, onednn, k, BF16, other_costs_memory=True)
+
+    def time_it() -> _Plan:
+        weight = torch.randn(n, k, generator=torch.Generator().manual_seed(0)).to(BF16)
+        native, onednn = _BF16Tiles(weight, portable=not native_bf16()), _OneDNN(weight, pad=False)
+        return _timed_plan(native, onednn, k, BF16, other_costs_memory=True)
+
+    return _remembered(f"bf16 [{n}, {k}]", time_it)
 
 
 def _pack_dense(weight: torch.Tensor, keep_rows: bool, pad: bool) -> PackedLinear:
@@ -442,9 +475,13 @@ def _random_weight(kind: type, n: int, k: int, group: int, act_order: bool) -> Q
 
 @cache
 def _quant_plan(kind: type, n: int, k: int, group: int, act_order: bool, dtype: torch.dtype) -> _Plan:
-    """Native kernel or dequantize + matmul, timed once per format and shape on a random weight."""
-    tiles = _QuantTiles(_random_weight(kind, n, k, group, act_order), portable=not native_quant())
-    return _timed_plan(tiles, _DequantizedMatmul(tiles), k, dtype, other_costs_memory=False)
+    """Native kernel or dequantize + matmul, timed once per machine, format and shape on a random weight."""
+
+    def time_it() -> _Plan:
+        tiles = _QuantTiles(_random_weight(kind, n, k, group, act_order), portable=not native_quant())
+        return _timed_plan(tiles, _DequantizedMatmul(tiles), k, dtype, other_costs_memory=False)
+
+    return _remembered(f"{kind.__name__} [{n}, {k}] group {group} act-order {act_order} {dtype}", time_it)
 
 
 def _pack_quantized(weight: QuantizedWeight, dtype: torch.dtype) -> PackedLinear:

@@ -393,3 +393,20 @@ def test_without_native_kernels_everything_runs_in_pytorch():
     assert result.returncode == 0, result.stderr
     expected = "_OneDNN" if cpu_linear.prepacking_works(BF16) else "_Plain"
     assert result.stdout.strip() == expected
+
+
+def test_plans_are_timed_once_per_machine(tmp_path, monkeypatch):
+    """A plan is kept beside the built kernels, so a later engine start reads it instead of timing."""
+    monkeypatch.setattr(cpu_linear, "library_path", lambda: tmp_path / "llmserve-cpu-key.so")
+    timings = []
+
+    def time_it():
+        timings.append(1)
+        return cpu_linear._Plan(cpu_linear._ALL if len(timings) == 1 else 3, keep_other=False)
+
+    first = cpu_linear._remembered("bf16 [8, 8]", time_it)
+    assert cpu_linear._remembered("bf16 [8, 8]", time_it) == first and len(timings) == 1
+    assert first.native_rows == cpu_linear._ALL  # infinity survives the file
+    assert cpu_linear._remembered("bf16 [8, 16]", time_it).native_rows == 3 and len(timings) == 2
+    (tmp_path / "llmserve-cpu-key.plans.json").write_text("{not json")  # a damaged file is timed again
+    assert cpu_linear._remembered("bf16 [8, 8]", time_it).native_rows == 3 and len(timings) == 3
