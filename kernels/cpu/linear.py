@@ -20,6 +20,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import cache
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -264,17 +265,11 @@ def _remembered(key: str, time_it: Callable[[], _Plan]) -> _Plan:
     to time again."""
     path = library_path().with_suffix(".plans.json")
     key = f"{key} torch {torch.__version__}"
-    try:
-        plans = json.loads(path.read_text())
-    except (OSError, ValueError):
-        plans = {}
+    plans = _read_plans(path)
     if key in plans:
         return _Plan(*plans[key])
     plan = time_it()
-    try:  # read again: another engine may have added plans meanwhile
-        plans = json.loads(path.read_text())
-    except (OSError, ValueError):
-        plans = {}
+    plans = _read_plans(path)  # again: another engine may have added plans meanwhile
     plans[key] = [plan.native_rows, plan.keep_other]
     try:
         scratch = path.with_suffix(f".{os.getpid()}.tmp")
@@ -283,6 +278,14 @@ def _remembered(key: str, time_it: Callable[[], _Plan]) -> _Plan:
     except OSError:  # no writable cache: the plan serves this process only
         pass
     return plan
+
+
+def _read_plans(path: Path) -> dict:
+    """The plans file's contents; empty where it is missing or damaged (its plans are then timed again)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 @cache
