@@ -355,13 +355,17 @@ class _QuantWeight(ctypes.Structure):
     _fields_ = [
         ("packed", ctypes.c_void_p),
         ("perm", ctypes.c_void_p),
-        *((name, ctypes.c_int) for name in ("n", "k", "k_in", "group", "sub", "bits", "half", "portable")),
+        *(
+            (name, ctypes.c_int)
+            for name in ("n", "k", "k_in", "group", "sub", "bits", "half", "symmetric", "portable")
+        ),
     ]
 
 
 class _QuantTiles:
     """The native quantized kernel on the weight repacked into its tiles (see csrc/linear_quant.c):
-    int4 stays 4 bits and int8 8 bits a weight, scales and offsets fp16 where that is exact."""
+    int4 stays 4 bits and int8 8 bits a weight, scales and offsets fp16 where that is exact, and no
+    offsets kept where every one is -8 scales (symmetric int4: GGUF Q4_0, GPTQ's default)."""
 
     def __init__(self, weight: QuantizedWeight, portable: bool = False) -> None:
         n, k_in = weight.shape
@@ -380,7 +384,8 @@ class _QuantTiles:
             data = units[..., 0, :] | (units[..., 1, :] << 4)
         else:  # byte 4j + i of unit u: column 4u + i
             data = q.view(tiles, _QTILE, groups, group // 4, 4)
-        values = [weight.scale] + ([weight.offset] if bits == 4 else [])
+        symmetric = bits == 4 and torch.equal(weight.offset.float(), -8 * weight.scale.float())
+        values = [weight.scale] + ([weight.offset] if bits == 4 and not symmetric else [])
         # [tiles * 16, groups] per value, zero where padded, then each tile's 16 values per group.
         values = [F.pad(v.float(), (0, groups - v.shape[1], 0, tiles * _QTILE - n)) for v in values]
         half = all(_fits_half(v) for v in values)
@@ -392,7 +397,7 @@ class _QuantTiles:
         self.perm = None if weight.perm is None else weight.perm.to(torch.int32).contiguous()
         perm_ptr = None if self.perm is None else self.perm.data_ptr()
         self.desc = _QuantWeight(
-            self.packed.data_ptr(), perm_ptr, n, k, k_in, group, sub, bits, half, portable
+            self.packed.data_ptr(), perm_ptr, n, k, k_in, group, sub, bits, half, symmetric, portable
         )
         self.desc_ptr = ctypes.addressof(self.desc)
         self.fn = function("linear_quant", i32, ptr, ptr, i64, i32, i32, ptr, ptr, i32)

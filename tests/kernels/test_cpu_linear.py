@@ -53,11 +53,16 @@ def assert_matches(
     )
 
 
-def int4_weight(n: int, k: int, group: int, gen: torch.Generator, act_order=False, fp16=True) -> Int4Weight:
-    """Q4_1-like (fp16 scales and offsets, exact in fp16) or AWQ-like (fp32 offsets -scale * zero)."""
+def int4_weight(
+    n: int, k: int, group: int, gen: torch.Generator, act_order=False, fp16=True, symmetric=False
+) -> Int4Weight:
+    """Q4_1-like (fp16 scales and offsets, exact in fp16), AWQ-like (fp32 offsets -scale * zero) or
+    symmetric, Q4_0- and GPTQ-like (every offset -8 scales)."""
     q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
     scale = (torch.rand(n, k // group, generator=gen) / 8).half().float()
-    if fp16:
+    if symmetric:
+        offset = -8 * scale
+    elif fp16:
         offset = (-8 * scale + torch.randn(n, k // group, generator=gen) / 100).half().float()
     else:
         offset = -scale * torch.randint(0, 16, (n, k // group), generator=gen) * (1 + 1 / 3)
@@ -157,6 +162,7 @@ def test_dense_bf16_declines_other_inputs(gen):
 # name -> (weight maker, shapes it is tested on)
 QUANT_FORMATS = {
     "q4_1-g32": (lambda n, k, g: int4_weight(n, k, 32, g), [*MODEL_SHAPES, (45, 96)]),
+    "q4_0-g32": (lambda n, k, g: int4_weight(n, k, 32, g, symmetric=True), [*MODEL_SHAPES, (45, 96)]),
     "awq-g128": (
         lambda n, k, g: int4_weight(n, k, 128, g, fp16=False),
         [(3072, 1536), (576, 1536), (45, 256)],
@@ -164,6 +170,10 @@ QUANT_FORMATS = {
     "gptq-g128-act-order": (
         lambda n, k, g: int4_weight(n, k, 128, g, act_order=True),
         [(576, 1536), (45, 256)],
+    ),
+    "gptq-sym-g128-act-order": (
+        lambda n, k, g: int4_weight(n, k, 128, g, act_order=True, symmetric=True),
+        [(3072, 1536), (45, 256)],
     ),
     "q8_0-g32": (lambda n, k, g: int8_weight(n, k, 32, g), [*MODEL_SHAPES, (45, 96)]),
     "q6_k-like-g16": (lambda n, k, g: int8_weight(n, k, 16, g), [(576, 576), (45, 48)]),
@@ -277,9 +287,10 @@ def test_quantized_declines_other_inputs(gen):
         lambda g: rand(g, 77, 33),
         lambda g: int8_weight(1000, 64, 32, g),
         lambda g: int4_weight(77, 96, 32, g),
+        lambda g: int4_weight(77, 96, 32, g, symmetric=True),
         lambda g: int8_weight(50, 100, 100, g),
     ],
-    ids=["bf16", "bf16-odd", "q8_0", "q4_1-odd-rows", "int8-per-channel-odd"],
+    ids=["bf16", "bf16-odd", "q8_0", "q4_1-odd-rows", "q4_0-odd-rows", "int8-per-channel-odd"],
 )
 @pytest.mark.parametrize("dtype", [BF16, FP32], ids=["bf16", "fp32"])
 def test_embedding_rows_are_exact(gen, make, dtype):
@@ -315,12 +326,13 @@ def _storage_bytes(packed: cpu_linear.PackedLinear) -> int:
     ("make", "bits_per_weight"),
     [
         (lambda g: int4_weight(3072, 576, 32, g), 4 + 2 * 16 / 32),  # Q4_1: fp16 scale and offset per 32
+        (lambda g: int4_weight(3072, 576, 32, g, symmetric=True), 4 + 16 / 32),  # Q4_0: fp16 scale per 32
         (lambda g: int4_weight(576, 1536, 128, g, fp16=False), 4 + 2 * 32 / 128),  # fp32 when not exact
         (lambda g: int8_weight(49152, 576, 32, g), 8 + 16 / 32),  # Q8_0
         (lambda g: int8_weight(576, 576, 16, g), 8 + 16 / 16),
         (lambda g: int8_weight(576, 1536, 1536, g), 8 + 16 / 1536),
     ],
-    ids=["q4_1", "awq-fp32", "q8_0", "int8-g16", "int8-per-channel"],
+    ids=["q4_1", "q4_0", "awq-fp32", "q8_0", "int8-g16", "int8-per-channel"],
 )
 def test_quantized_nbytes_is_the_formats_own_size_and_really_resident(gen, make, bits_per_weight):
     weight = make(gen)

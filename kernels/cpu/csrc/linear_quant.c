@@ -1,5 +1,6 @@
 /* Weight-only quantized linear layers for the CPU: out[M, N] = x[M, K] @ W[N, K]^T (+ bias), where
- *     int4: W[o, k] = d[o, g] * q[o, k] + m[o, g]   (q in 0..15; GGUF Q4_0/Q4_1/Q4_K, AWQ, GPTQ)
+ *     int4: W[o, k] = d[o, g] * q[o, k] + m[o, g]   (q in 0..15; GGUF Q4_0/Q4_1/Q4_K, AWQ, GPTQ),
+ *           m = -8 d where the format is symmetric (GGUF Q4_0, GPTQ with sym=True), so m is not stored
  *     int8: W[o, k] = d[o, g] * q[o, k]             (q in -128..127; GGUF Q8_0/Q6_K, per-channel int8)
  * for groups g of `group` input columns.
  *
@@ -13,7 +14,7 @@
  * the group's weight scale multiplies. The int4 offsets multiply the group's exact (fp32) sum of x.
  *
  * Packed layout (built once by kernels/cpu/linear.py): tiles of 16 output rows; per tile, per group, its
- * sub-blocks' weights, then the group's 16 scales, then (int4) its 16 offsets, fp16 where both are exact
+ * sub-blocks' weights, then the group's 16 scales, then (int4, not symmetric) its 16 offsets, fp16 where all are exact
  * in fp16, else fp32. Within a sub-block, one 64-byte vector per unit of 4 columns (int8) or 8 columns
  * (int4): byte 4j+i is row j's column 4u+i (int8, stored as q + 128, unsigned), or its columns 8u+i (low
  * nibble) and 8u+4+i (high nibble) (int4), so a lane holds the 4 bytes vpdpbusd takes for one output.
@@ -43,6 +44,7 @@ struct qweight {
     int sub;             /* columns per sub-block: 32, or 16 for groups of 16 */
     int bits;            /* 4 or 8 */
     int half;            /* scales and offsets stored as fp16 (1) or fp32 (0) */
+    int symmetric;       /* int4 with every offset -8 scales: offsets not stored */
     int portable;        /* the plain C loops even where vector code is present (tests run both) */
 };
 
@@ -57,7 +59,7 @@ struct qx {
 
 static long group_bytes(const struct qweight *w) {
     long weights = (long)w->group * w->bits / 8 * QTILE, values = QTILE * (w->half ? 2 : 4);
-    return weights + values * (w->bits == 4 ? 2 : 1);
+    return weights + values * (w->bits == 4 && !w->symmetric ? 2 : 1);
 }
 
 static inline float load_value(const uint8_t *p, int j, int half) {
@@ -190,12 +192,13 @@ static void qtile_portable(const struct qweight *w, const uint8_t *tile, const s
                 float s = x->scale[(long)m * xblocks + c0 / XBLOCK];
                 for (int j = 0; j < QTILE; j++) gacc[j] += (float)dot[j] * s;
             }
-            for (int j = 0; j < QTILE; j++) y[j] += load_value(p, j, w->half) * gacc[j];
+            const uint8_t *d = p;
+            for (int j = 0; j < QTILE; j++) y[j] += load_value(d, j, w->half) * gacc[j];
             p += values;
             if (w->bits == 4) {
                 float sx = x->gsum[(long)m * groups + g];
-                for (int j = 0; j < QTILE; j++) y[j] += load_value(p, j, w->half) * sx;
-                p += values;
+                for (int j = 0; j < QTILE; j++) y[j] += (w->symmetric ? -8.f * load_value(d, j, w->half) : load_value(p, j, w->half)) * sx;
+                p += w->symmetric ? 0 : values;
             }
         }
         store_row(out, (long)m * w->n, y, bias, is_bf16, valid);
@@ -267,8 +270,8 @@ static inline __attribute__((always_inline)) void qtile_avx512(const struct qwei
 #pragma GCC unroll 8
         for (int m = 0; m < MR; m++) y[m] = _mm512_fmadd_ps(d, gacc[m], y[m]);
         if (BITS == 4) {
-            __m512 off = load_values16(p, HALF);
-            p += VALUES;
+            __m512 off = w->symmetric ? _mm512_mul_ps(d, _mm512_set1_ps(-8.f)) : load_values16(p, HALF);
+            p += w->symmetric ? 0 : VALUES;
 #pragma GCC unroll 8
             for (int m = 0; m < MR; m++) y[m] = _mm512_fmadd_ps(off, _mm512_set1_ps(gsum[m][g]), y[m]);
         }
@@ -383,7 +386,8 @@ static inline __attribute__((always_inline)) void qtile_avx2(const struct qweigh
 #pragma GCC unroll 4
             for (int m = 0; m < MR; m++) y[m] = _mm256_fmadd_ps(d, gacc[m], y[m]);
             if (BITS == 4) {
-                __m256 off = load_values8(q + weight_bytes + QTILE * SIZE + 8 * half * SIZE, HALF);
+                __m256 off = w->symmetric ? _mm256_mul_ps(d, _mm256_set1_ps(-8.f))
+                                          : load_values8(q + weight_bytes + QTILE * SIZE + 8 * half * SIZE, HALF);
 #pragma GCC unroll 4
                 for (int m = 0; m < MR; m++)
                     y[m] = _mm256_fmadd_ps(off, _mm256_set1_ps(x->gsum[(long)(m0 + m) * groups + g]), y[m]);
@@ -506,7 +510,7 @@ void quant_rows(const struct qweight *w, const int64_t *ids, int count, int is_b
         for (int g = 0; g < groups; g++) {
             const uint8_t *p = tile + g * gbytes;
             float d = load_value(p + weight_bytes, j, w->half);
-            float m = w->bits == 4 ? load_value(p + weight_bytes + values, j, w->half) : 0.f;
+            float m = w->bits != 4 ? 0.f : w->symmetric ? -8.f * d : load_value(p + weight_bytes + values, j, w->half);
             for (int u = 0; u < w->group / (w->bits == 4 ? 8 : 4); u++) {
                 const uint8_t *b = p + 64 * u + 4 * j;
                 for (int i = 0; i < 4; i++) {
