@@ -20,7 +20,9 @@
 
 #define TILE 32
 #define MAX_MR 12
-#define PREFETCH_BYTES 1024 /* how far ahead of the loads each thread asks for its stream */
+/* How far ahead of its loads each thread asks for its stream, into L2: a few pages ahead keeps more of the
+ * stream in flight than the hardware prefetchers do alone, and at batch 1 that is the layer's speed. */
+#define PREFETCH_BYTES 4096
 
 /* A packed weight, set up once per layer by the caller. */
 struct bf16_weight {
@@ -62,8 +64,8 @@ static inline __attribute__((always_inline)) void tile_avx512(const uint16_t *x,
     for (int m = 0; m < MR; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
     for (int p = 0; p < pairs; p++) {
         const uint16_t *wp = w + (long)p * 2 * TILE;
-        _mm_prefetch((const char *)wp + PREFETCH_BYTES, _MM_HINT_T0);
-        _mm_prefetch((const char *)wp + PREFETCH_BYTES + 64, _MM_HINT_T0);
+        _mm_prefetch((const char *)wp + PREFETCH_BYTES, _MM_HINT_T1);
+        _mm_prefetch((const char *)wp + PREFETCH_BYTES + 64, _MM_HINT_T1);
         __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp), w1 = (__m512bh)_mm512_loadu_si512(wp + 32);
 #pragma GCC unroll 12
         for (int m = 0; m < MR; m++) {
@@ -121,8 +123,8 @@ static inline __attribute__((always_inline)) void tile_avx2(const uint16_t *x, l
         for (int g = 0; g < 4; g++) acc[m][g] = _mm256_setzero_ps();
     for (int p = 0; p < pairs; p++) {
         const uint16_t *wp = w + (long)p * 2 * TILE;
-        _mm_prefetch((const char *)wp + PREFETCH_BYTES, _MM_HINT_T0);
-        _mm_prefetch((const char *)wp + PREFETCH_BYTES + 64, _MM_HINT_T0);
+        _mm_prefetch((const char *)wp + PREFETCH_BYTES, _MM_HINT_T1);
+        _mm_prefetch((const char *)wp + PREFETCH_BYTES + 64, _MM_HINT_T1);
         __m256 x0[MAX_MR_AVX2], x1[MAX_MR_AVX2];
 #pragma GCC unroll 4
         for (int m = 0; m < MR; m++) {
