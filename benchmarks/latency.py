@@ -21,9 +21,10 @@ import time
 import urllib.request
 from pathlib import Path
 
-import numpy as np
+import gguf
 import torch
 
+from benchmarks.gguf_files import rewritten
 from benchmarks.offline_throughput import measure_read_bandwidth, step_read_bytes
 from inference_engine import LLM, SamplingParams
 from inference_engine.engine_loop import on_a_thread_that_ends
@@ -32,37 +33,6 @@ from inference_engine.model_loader import default_model_path
 BATCHES = (1, 2, 4, 8)
 TOKENS = 128
 _SENTENCE = "The committee reviewed the proposal and asked for a revised budget before the next meeting. "
-
-
-def bf16_gguf(path: Path) -> Path:
-    """The bundled model with every quantized tensor stored as bf16 (metadata and tokenizer copied)."""
-    import gguf
-
-    if path.exists():
-        return path
-    reader = gguf.GGUFReader(str(default_model_path()))
-    writer = gguf.GGUFWriter(str(path), arch=reader.fields["general.architecture"].contents())
-    for name, field in reader.fields.items():
-        if name.startswith("GGUF.") or name in ("general.architecture", "general.file_type"):
-            continue
-        sub_type = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(name, field.contents(), field.types[0], sub_type)
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_BF16)
-    for tensor in reader.tensors:
-        shape = [int(d) for d in reversed(tensor.shape)]
-        values = gguf.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
-        if tensor.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
-            writer.add_tensor(tensor.name, values.astype(np.float32))
-            continue
-        bits = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).to(torch.bfloat16)
-        writer.add_tensor(
-            tensor.name, bits.view(torch.int16).numpy(), raw_dtype=gguf.GGMLQuantizationType.BF16
-        )
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
 
 
 def prompt_of(tokens: int, tokenizer) -> str:
@@ -129,13 +99,12 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
-    cache = Path.home() / ".cache" / "llmserve"
     # Written on a thread that ends: torch's conversions would leave this thread an OpenMP pool beside the
     # engine's, which halves the engine's speed (see inference_engine/engine_loop.py).
     model = (
         default_model_path()
         if args.quantized
-        else on_a_thread_that_ends(lambda: bf16_gguf(cache / "SmolLM2-135M-Instruct.BF16.gguf"))
+        else on_a_thread_that_ends(lambda: rewritten(gguf.GGMLQuantizationType.BF16))
     )
     label = "q4_1" if args.quantized else "bf16"
 

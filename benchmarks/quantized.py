@@ -10,7 +10,8 @@ busy neighbour slows both alike; the median run of each is reported. Measured:
 - tokens/s on the mixed workload of `benchmarks/offline_throughput.py` (`benchmarks/workload.py`): every
   request arrives at once; llama.cpp's server gets one slot per request, so it batches them all too.
 - resident weight bytes of our engine against the model's bf16 size and the file's, and the engine
-  process's RSS.
+  process's RSS; and the resident weight bytes of the same model with every tensor in Q4_0 (the bundled
+  file keeps its tied embedding / LM head, a fifth of the weights, in Q8_0), quantized by `gguf`.
 
 llama.cpp's server is built once from llama-cpp-python's source distribution (`benchmarks/llamacpp.py`);
 where it cannot be built the llama.cpp half is skipped and the JSON says why. Writes
@@ -27,12 +28,15 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import gguf
 import torch
 
+from benchmarks.gguf_files import rewritten
 from benchmarks.llamacpp import LlamaCppUnavailable, LlamaServer, build_server
 from benchmarks.offline_throughput import median_run, run_engine
 from benchmarks.workload import Request, mixed_workload
 from inference_engine import LLM, SamplingParams
+from inference_engine.engine_loop import on_a_thread_that_ends
 from inference_engine.model_loader import default_model_path
 
 DECODE_PROMPT = "Tell me a long story about the sea."
@@ -95,9 +99,18 @@ def plot(result: dict, path: Path) -> None:
     axes[1].bar(names, mixed, color=colors)
     axes[1].set_title("mixed workload tokens/s")
     memory = result["memory"]
-    labels = ["bf16 size", "GGUF file", "engine weights"]
-    values = [memory["bf16_bytes"], memory["file_bytes"], memory["engine_weight_bytes"]]
-    axes[2].bar(labels, [v / 2**20 for v in values], color=["tab:gray", "tab:orange", "tab:blue"])
+    labels = ["bf16 size", "GGUF file", "engine weights", "all-Q4_0 file", "engine weights\n(all-Q4_0)"]
+    pure = memory["all_q4_0"]
+    values = [
+        memory["bf16_bytes"],
+        memory["file_bytes"],
+        memory["engine_weight_bytes"],
+        pure["file_bytes"],
+        pure["engine_weight_bytes"],
+    ]
+    colors = ["tab:gray", "tab:orange", "tab:blue", "tab:orange", "tab:blue"]
+    axes[2].bar(labels, [v / 2**20 for v in values], color=colors)
+    axes[2].tick_params(axis="x", labelsize=7)
     axes[2].set_title("weights (MiB)")
     note = "" if have_theirs else f" — llama.cpp skipped: {theirs.get('skipped', '')[:60]}"
     fig.suptitle(f"{result['model']}, {result['threads']} threads, median of {result['repeats']} runs{note}")
@@ -153,6 +166,7 @@ def main() -> None:
                 s.complete("warm up", 4)
                 runs["llama_workload"].append({**llamacpp_workload(s, requests), "repack": s.repack})
 
+    dtype = str(llm.engine.runner.dtype)
     memory = {
         "engine_weight_bytes": llm.engine.runner.weight_bytes,
         "bf16_bytes": 2 * llm.engine.runner.model_config.num_parameters,
@@ -160,9 +174,16 @@ def main() -> None:
         "engine_rss_bytes": _rss_bytes(),
     }
     memory["weights_vs_bf16"] = memory["engine_weight_bytes"] / memory["bf16_bytes"]
+    del llm
+    pure = on_a_thread_that_ends(lambda: rewritten(gguf.GGMLQuantizationType.Q4_0))
+    memory["all_q4_0"] = {
+        "file_bytes": pure.stat().st_size,
+        "engine_weight_bytes": LLM(model=str(pure), dtype=args.dtype).engine.runner.weight_bytes,
+    }
+    memory["all_q4_0"]["weights_vs_bf16"] = memory["all_q4_0"]["engine_weight_bytes"] / memory["bf16_bytes"]
     result = {
         "model": model.name,
-        "dtype": str(llm.engine.runner.dtype),
+        "dtype": dtype,
         "threads": args.threads,
         "repeats": args.repeats,
         "decode_tokens": args.decode_tokens,
