@@ -155,19 +155,21 @@ class _BF16Weight(ctypes.Structure):
         ("n", ctypes.c_int),
         ("k", ctypes.c_int),
         ("portable", ctypes.c_int),
+        ("fma_rows", ctypes.c_int),
     ]
 
 
 class _BF16Tiles:
     """The native bf16 kernel on the weight repacked into its pair tiles (see csrc/linear_bf16.c)."""
 
-    def __init__(self, weight: torch.Tensor, portable: bool = False) -> None:
+    def __init__(self, weight: torch.Tensor, portable: bool = False, fma_rows: int | None = None) -> None:
         n, k = weight.shape
         self.n, self.k, self.k_even = n, k, k + k % 2
         tiles = -(-n // _TILE)
         padded = F.pad(weight, (0, self.k_even - k, 0, tiles * _TILE - n))
         self.tiles = padded.view(tiles, _TILE, self.k_even // 2, 2).transpose(1, 2).contiguous()
-        self.desc = _BF16Weight(self.tiles.data_ptr(), n, self.k_even, int(portable))
+        fma_rows = _fma_rows() if fma_rows is None else fma_rows
+        self.desc = _BF16Weight(self.tiles.data_ptr(), n, self.k_even, int(portable), fma_rows)
         self.desc_ptr = ctypes.addressof(self.desc)
         self.fn = function("linear_bf16", None, ptr, ptr, i64, i32, ptr, ptr, i32)
 
@@ -286,6 +288,24 @@ def _read_plans(path: Path) -> dict:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
+
+
+@cache
+def _fma_rows() -> int:
+    """From how many rows a chunk of the bf16 kernel multiplies in fp32 FMAs rather than with vdpbf16ps
+    (0: never), timed once per machine. Both give the same bits; which is faster depends on the CPU: where
+    vdpbf16ps issues once every two cycles and FMAs twice a cycle, the FMAs win once enough rows share
+    each weight's conversion to fp32."""
+    if not available() or not native_bf16():
+        return 0
+
+    def time_it() -> _Plan:
+        weight = torch.randn(3072, 576, generator=torch.Generator().manual_seed(0)).to(BF16)
+        vdpbf16, fma = _BF16Tiles(weight, fma_rows=0), _BF16Tiles(weight, fma_rows=1)
+        return _timed_plan(vdpbf16, fma, weight.shape[1], BF16, other_costs_memory=False)
+
+    rows = _remembered("bf16 fma [3072, 576]", time_it).native_rows
+    return 0 if rows == _ALL else int(rows) + 1
 
 
 @cache

@@ -84,6 +84,8 @@ def rand(gen: torch.Generator, *shape: int, dtype=BF16) -> torch.Tensor:
 DENSE_ROUTINES = {
     "native": (lambda w: cpu_linear._BF16Tiles(w), [needs_native, needs_bf16]),
     "portable": (lambda w: cpu_linear._BF16Tiles(w, portable=True), [needs_native]),
+    "vdpbf16": (lambda w: cpu_linear._BF16Tiles(w, fma_rows=0), [needs_native, needs_bf16]),
+    "fma": (lambda w: cpu_linear._BF16Tiles(w, fma_rows=1), [needs_native, needs_bf16]),
     "onednn": (lambda w: cpu_linear._OneDNN(w, pad=False), [needs_onednn]),
 }
 
@@ -110,6 +112,22 @@ def test_dense_bf16_bias_strided_rows_and_two_threads(gen, portable):
     x = wide[:, 5:102]  # rows 130 elements apart
     routine = cpu_linear._BF16Tiles(weight, portable=portable)
     assert_matches(routine(x, bias), x, weight, bias)
+
+
+@needs_native
+@needs_bf16
+@pytest.mark.parametrize("shape", [*MODEL_SHAPES, (200, 98), (45, 2)], ids=str)
+def test_dense_bf16_fma_and_vdpbf16_give_the_same_bits(gen, shape):
+    """The engine takes either routine by row count (timed per CPU): a token's logits must not depend on how
+    many other tokens share its step, or speculative decoding and batching would change greedy outputs."""
+    n, k = shape
+    weight, bias = rand(gen, n, k), rand(gen, n)
+    vdpbf16, fma = cpu_linear._BF16Tiles(weight, fma_rows=0), cpu_linear._BF16Tiles(weight, fma_rows=1)
+    wide = rand(gen, 40, k + 9) * torch.rand(40, k + 9, generator=gen).to(BF16) * 8
+    for rows in (1, 4, 13, 40):
+        x = wide[:rows, 3 : 3 + k]  # strided rows, magnitudes spread over decades
+        assert torch.equal(fma(x, bias), vdpbf16(x, bias)), rows
+        assert torch.equal(fma(x, None), vdpbf16(x, None)), rows
 
 
 @needs_native

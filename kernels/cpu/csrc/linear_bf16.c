@@ -14,6 +14,7 @@
  */
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "bf16.h"
@@ -29,6 +30,8 @@ struct bf16_weight {
     const uint16_t *tiles;
     int n, k;     /* k even */
     int portable; /* the plain loops even where vector code is present (tests run both paths) */
+    int fma_rows; /* chunks of at least this many rows go through fp32 FMAs instead of vdpbf16ps (0: none);
+                     the caller times where that pays on this CPU */
 };
 
 static inline int chunk_rows(int m) { /* rows per chunk, as even as MAX_MR allows */
@@ -99,6 +102,64 @@ static void tile_rows_avx512(const uint16_t *x, long ldx, int mr, const uint16_t
 #define CASE(MR)                                                       \
     case MR:                                                           \
         tile_avx512(x, ldx, MR, w, pairs, bias, out, ldo, valid);      \
+        break;
+        CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) CASE(9) CASE(10) CASE(11) CASE(12)
+#undef CASE
+    }
+}
+
+/* The same sums with fp32 FMAs, for chunks of many rows: where vdpbf16ps issues once every two cycles and
+ * FMAs twice a cycle (AVX512-BF16 CPUs without AMX), four FMAs a pair of columns beat its two vdpbf16ps
+ * once the weight's conversion to fp32 (a shift and a mask a vector) is shared by enough rows. The odd
+ * column's product is added first, then the even one's, each rounded as vdpbf16ps rounds them, so both
+ * routines give the same bits (outside fp32's subnormal range, which vdpbf16ps flushes to zero). xf: the
+ * chunk's rows of x in fp32, row stride k. */
+static inline __attribute__((always_inline)) void tile_fma_avx512(const float *xf, long k, const int MR,
+                                                                  const uint16_t *w, int pairs, const uint16_t *bias,
+                                                                  uint16_t *out, long ldo, int valid) {
+    __m512 acc[MAX_MR][2];
+    const __m512i high_half = _mm512_set1_epi32((int)0xffff0000u);
+#pragma GCC unroll 12
+    for (int m = 0; m < MR; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    for (int p = 0; p < pairs; p++) {
+        const uint16_t *wp = w + (long)p * 2 * TILE;
+        _mm_prefetch((const char *)wp + PREFETCH_BYTES, _MM_HINT_T1);
+        _mm_prefetch((const char *)wp + PREFETCH_BYTES + 64, _MM_HINT_T1);
+        __m512i v0 = _mm512_loadu_si512(wp), v1 = _mm512_loadu_si512(wp + 32);
+        __m512 even0 = _mm512_castsi512_ps(_mm512_slli_epi32(v0, 16));
+        __m512 odd0 = _mm512_castsi512_ps(_mm512_and_si512(v0, high_half));
+        __m512 even1 = _mm512_castsi512_ps(_mm512_slli_epi32(v1, 16));
+        __m512 odd1 = _mm512_castsi512_ps(_mm512_and_si512(v1, high_half));
+#pragma GCC unroll 12
+        for (int m = 0; m < MR; m++) {
+            __m512 x0 = _mm512_set1_ps(xf[m * k + 2 * p]), x1 = _mm512_set1_ps(xf[m * k + 2 * p + 1]);
+            acc[m][0] = _mm512_fmadd_ps(even0, x0, _mm512_fmadd_ps(odd0, x1, acc[m][0]));
+            acc[m][1] = _mm512_fmadd_ps(even1, x0, _mm512_fmadd_ps(odd1, x1, acc[m][1]));
+        }
+    }
+    __mmask16 lo = first_lanes(valid), hi = valid > 16 ? first_lanes(valid - 16) : 0;
+    __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+    if (bias) {
+        b0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lo, bias)), 16));
+        if (valid > 16)
+            b1 = _mm512_castsi512_ps(
+                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(hi, bias + 16)), 16));
+    }
+#pragma GCC unroll 12
+    for (int m = 0; m < MR; m++) {
+        _mm256_mask_storeu_epi16(out + m * ldo, lo, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m][0], b0)));
+        if (valid > 16)
+            _mm256_mask_storeu_epi16(out + m * ldo + 16, hi,
+                                     (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m][1], b1)));
+    }
+}
+
+static void tile_rows_fma_avx512(const float *xf, long k, int mr, const uint16_t *w, int pairs, const uint16_t *bias,
+                                 uint16_t *out, long ldo, int valid) {
+    switch (mr) {
+#define CASE(MR)                                                        \
+    case MR:                                                            \
+        tile_fma_avx512(xf, k, MR, w, pairs, bias, out, ldo, valid);    \
         break;
         CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) CASE(9) CASE(10) CASE(11) CASE(12)
 #undef CASE
@@ -178,6 +239,12 @@ void linear_bf16(const struct bf16_weight *w, const uint16_t *x, long ldx, int m
     if (m == 0) return;
     int tiles = (w->n + TILE - 1) / TILE, pairs = w->k / 2, mr = chunk_rows(m);
     long tile_elems = (long)pairs * 2 * TILE;
+    float *xf = 0; /* x in fp32, for the FMA routine */
+#ifdef HAVE_AVX512_BF16
+    if (!w->portable && w->fma_rows && mr >= w->fma_rows && (xf = malloc(sizeof(float) * m * w->k)))
+        for (int r = 0; r < m; r++)
+            for (int c = 0; c < w->k; c++) xf[(long)r * w->k + c] = bf16_to_float(x[r * ldx + c]);
+#endif
 #pragma omp parallel num_threads(tiles < num_threads ? tiles : num_threads)
     {
         int t = omp_get_thread_num(), threads = omp_get_num_threads();
@@ -189,6 +256,10 @@ void linear_bf16(const struct bf16_weight *w, const uint16_t *x, long ldx, int m
                 const uint16_t *xr = x + r * ldx;
                 uint16_t *o = out + (long)r * w->n + tile * TILE;
 #ifdef HAVE_AVX512_BF16
+                if (xf && rows >= w->fma_rows) {
+                    tile_rows_fma_avx512(xf + (long)r * w->k, w->k, rows, wt, pairs, b, o, w->n, valid);
+                    continue;
+                }
                 if (!w->portable) {
                     tile_rows_avx512(xr, ldx, rows, wt, pairs, b, o, w->n, valid);
                     continue;
@@ -203,4 +274,5 @@ void linear_bf16(const struct bf16_weight *w, const uint16_t *x, long ldx, int m
             }
         }
     }
+    free(xf);
 }
