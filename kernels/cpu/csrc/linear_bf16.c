@@ -58,6 +58,27 @@ static void tile_portable(const uint16_t *x, long ldx, int mr, const uint16_t *w
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define HAVE_AVX512_BF16 1
 
+/* A tile's fp32 sums for MR rows (+ bias) into bf16 outputs: the first `valid` of its 32 columns. */
+static inline __attribute__((always_inline)) void store_tile_avx512(__m512 acc[][2], const int MR,
+                                                                    const uint16_t *bias, uint16_t *out, long ldo,
+                                                                    int valid) {
+    __mmask16 lo = first_lanes(valid), hi = valid > 16 ? first_lanes(valid - 16) : 0;
+    __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+    if (bias) {
+        b0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lo, bias)), 16));
+        if (valid > 16)
+            b1 = _mm512_castsi512_ps(
+                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(hi, bias + 16)), 16));
+    }
+#pragma GCC unroll 12
+    for (int m = 0; m < MR; m++) {
+        _mm256_mask_storeu_epi16(out + m * ldo, lo, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m][0], b0)));
+        if (valid > 16)
+            _mm256_mask_storeu_epi16(out + m * ldo + 16, hi,
+                                     (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m][1], b1)));
+    }
+}
+
 /* One tile against MR rows of x, MR constant at each call site so the sums stay in registers. */
 static inline __attribute__((always_inline)) void tile_avx512(const uint16_t *x, long ldx, const int MR,
                                                               const uint16_t *w, int pairs, const uint16_t *bias,
@@ -79,21 +100,7 @@ static inline __attribute__((always_inline)) void tile_avx512(const uint16_t *x,
             acc[m][1] = _mm512_dpbf16_ps(acc[m][1], w1, xp);
         }
     }
-    __mmask16 lo = first_lanes(valid), hi = valid > 16 ? first_lanes(valid - 16) : 0;
-    __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
-    if (bias) {
-        b0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lo, bias)), 16));
-        if (valid > 16)
-            b1 = _mm512_castsi512_ps(
-                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(hi, bias + 16)), 16));
-    }
-#pragma GCC unroll 12
-    for (int m = 0; m < MR; m++) {
-        _mm256_mask_storeu_epi16(out + m * ldo, lo, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m][0], b0)));
-        if (valid > 16)
-            _mm256_mask_storeu_epi16(out + m * ldo + 16, hi,
-                                     (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m][1], b1)));
-    }
+    store_tile_avx512(acc, MR, bias, out, ldo, valid);
 }
 
 static void tile_rows_avx512(const uint16_t *x, long ldx, int mr, const uint16_t *w, int pairs, const uint16_t *bias,
@@ -137,21 +144,7 @@ static inline __attribute__((always_inline)) void tile_fma_avx512(const float *x
             acc[m][1] = _mm512_fmadd_ps(even1, x0, _mm512_fmadd_ps(odd1, x1, acc[m][1]));
         }
     }
-    __mmask16 lo = first_lanes(valid), hi = valid > 16 ? first_lanes(valid - 16) : 0;
-    __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
-    if (bias) {
-        b0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lo, bias)), 16));
-        if (valid > 16)
-            b1 = _mm512_castsi512_ps(
-                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(hi, bias + 16)), 16));
-    }
-#pragma GCC unroll 12
-    for (int m = 0; m < MR; m++) {
-        _mm256_mask_storeu_epi16(out + m * ldo, lo, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m][0], b0)));
-        if (valid > 16)
-            _mm256_mask_storeu_epi16(out + m * ldo + 16, hi,
-                                     (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m][1], b1)));
-    }
+    store_tile_avx512(acc, MR, bias, out, ldo, valid);
 }
 
 static void tile_rows_fma_avx512(const float *xf, long k, int mr, const uint16_t *w, int pairs, const uint16_t *bias,
