@@ -296,8 +296,9 @@ def _fma_rows() -> int:
     (0: never), timed once per machine. Both give the same bits; which is faster depends on the CPU: where
     vdpbf16ps issues once every two cycles and FMAs twice a cycle, the FMAs win once enough rows share
     each weight's conversion to fp32."""
-    if not available() or not native_bf16():
-        return 0
+    fma_routine = function("linear_bf16_fma_routine", i32)
+    if fma_routine is None or not fma_routine():
+        return 0  # the kernel has no FMA routine here: nothing to time
 
     def time_it() -> _Plan:
         weight = torch.randn(3072, 576, generator=torch.Generator().manual_seed(0)).to(BF16)

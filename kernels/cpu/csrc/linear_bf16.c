@@ -103,18 +103,6 @@ static inline __attribute__((always_inline)) void tile_avx512(const uint16_t *x,
     store_tile_avx512(acc, MR, bias, out, ldo, valid);
 }
 
-static void tile_rows_avx512(const uint16_t *x, long ldx, int mr, const uint16_t *w, int pairs, const uint16_t *bias,
-                             uint16_t *out, long ldo, int valid) {
-    switch (mr) {
-#define CASE(MR)                                                       \
-    case MR:                                                           \
-        tile_avx512(x, ldx, MR, w, pairs, bias, out, ldo, valid);      \
-        break;
-        CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) CASE(9) CASE(10) CASE(11) CASE(12)
-#undef CASE
-    }
-}
-
 /* The same sums with fp32 FMAs, for chunks of many rows: where vdpbf16ps issues once every two cycles and
  * FMAs twice a cycle (AVX512-BF16 CPUs without AMX), four FMAs a pair of columns beat its two vdpbf16ps
  * once the weight's conversion to fp32 (a shift and a mask a vector) is shared by enough rows. The odd
@@ -147,12 +135,16 @@ static inline __attribute__((always_inline)) void tile_fma_avx512(const float *x
     store_tile_avx512(acc, MR, bias, out, ldo, valid);
 }
 
-static void tile_rows_fma_avx512(const float *xf, long k, int mr, const uint16_t *w, int pairs, const uint16_t *bias,
-                                 uint16_t *out, long ldo, int valid) {
+/* MR rows of x against one tile: through FMAs on xf (the rows in fp32) where given, else vdpbf16ps on x. */
+static void tile_rows_avx512(const uint16_t *x, long ldx, const float *xf, long k, int mr, const uint16_t *w,
+                             int pairs, const uint16_t *bias, uint16_t *out, long ldo, int valid) {
     switch (mr) {
-#define CASE(MR)                                                        \
-    case MR:                                                            \
-        tile_fma_avx512(xf, k, MR, w, pairs, bias, out, ldo, valid);    \
+#define CASE(MR)                                                              \
+    case MR:                                                                  \
+        if (xf)                                                               \
+            tile_fma_avx512(xf, k, MR, w, pairs, bias, out, ldo, valid);      \
+        else                                                                  \
+            tile_avx512(x, ldx, MR, w, pairs, bias, out, ldo, valid);         \
         break;
         CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) CASE(9) CASE(10) CASE(11) CASE(12)
 #undef CASE
@@ -218,6 +210,15 @@ static void tile_rows_avx2(const uint16_t *x, long ldx, int mr, const uint16_t *
 }
 #endif
 
+/* Whether linear_bf16 has its FMA routine for many rows here (AVX512-BF16), which `fma_rows` selects. */
+int linear_bf16_fma_routine(void) {
+#ifdef HAVE_AVX512_BF16
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* Whether linear_bf16 runs vector code of its own here (1: AVX512-BF16 or AVX2) or the plain loops (0). */
 int linear_bf16_native(void) {
 #if defined(HAVE_AVX512_BF16) || defined(HAVE_AVX2_FMA)
@@ -249,12 +250,9 @@ void linear_bf16(const struct bf16_weight *w, const uint16_t *x, long ldx, int m
                 const uint16_t *xr = x + r * ldx;
                 uint16_t *o = out + (long)r * w->n + tile * TILE;
 #ifdef HAVE_AVX512_BF16
-                if (xf && rows >= w->fma_rows) {
-                    tile_rows_fma_avx512(xf + (long)r * w->k, w->k, rows, wt, pairs, b, o, w->n, valid);
-                    continue;
-                }
                 if (!w->portable) {
-                    tile_rows_avx512(xr, ldx, rows, wt, pairs, b, o, w->n, valid);
+                    const float *xfr = xf && rows >= w->fma_rows ? xf + (long)r * w->k : 0;
+                    tile_rows_avx512(xr, ldx, xfr, w->k, rows, wt, pairs, b, o, w->n, valid);
                     continue;
                 }
 #elif defined(HAVE_AVX2_FMA)
