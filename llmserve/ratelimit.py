@@ -12,7 +12,9 @@ import logging
 import time
 
 from asgiref.sync import sync_to_async
-from django.core.cache import caches
+from django.core.cache import BaseCache, caches
+from django.core.signals import setting_changed
+from django.dispatch import receiver
 
 from llmserve import conf
 
@@ -47,10 +49,32 @@ async def ahit(identity: str, limit: int) -> float | None:
 
 def _count(alias: str, key: str) -> int:
     # add() then incr() is atomic on backends that implement incr atomically (Redis, Memcached, locmem).
-    cache = caches[alias]
+    cache = _cache(alias)
     cache.add(key, 0, timeout=WINDOW + 1)
     try:
         return cache.incr(key)
     except ValueError:  # expired between add and incr
         cache.set(key, 1, timeout=WINDOW + 1)
         return 1
+
+
+_caches: dict[str, BaseCache] = {}
+
+
+def _cache(alias: str) -> BaseCache:
+    """One cache object per process for the counters.
+
+    ``caches[alias]`` is a new object in each ASGI request's context, and a new Redis cache object opens a new
+    connection pool: every request paid a TCP connect and redis-py's package-metadata lookup, about a third of
+    the web process's time for a completion. Django's cache backends are safe to share between threads.
+    """
+    cache = _caches.get(alias)
+    if cache is None:
+        cache = _caches[alias] = caches.create_connection(alias)
+    return cache
+
+
+@receiver(setting_changed)
+def _forget_caches(setting: str, **kwargs: object) -> None:
+    if setting == "CACHES":
+        _caches.clear()

@@ -3,7 +3,10 @@ requests through rather than refusing them."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
+import redis
 from django.core.cache import caches
 
 from inference_engine.bus.redis_server import RedisServer
@@ -21,6 +24,19 @@ async def test_counts_in_redis(settings) -> None:
         results = [await ratelimit.ahit("key:1", 2) for _ in range(3)]
         assert results[:2] == [None, None] and 0 < results[2] <= ratelimit.WINDOW
         caches["default"].close()
+
+
+@pytest.mark.asyncio
+async def test_requests_share_one_connection(settings) -> None:
+    """Each ASGI request runs in a context of its own, where ``caches[alias]`` is a new object with a new
+    connection pool: the counters must not open a connection per request."""
+    with RedisServer() as server:
+        settings.CACHES = redis_cache(server.url)
+        connections = redis.Redis.from_url(server.url)
+        before = connections.info("stats")["total_connections_received"]
+        for _ in range(5):  # a task per request, each with its own context, as the ASGI handler does
+            assert await asyncio.create_task(ratelimit.ahit("key:2", 100)) is None
+        assert connections.info("stats")["total_connections_received"] - before == 1
 
 
 @pytest.mark.asyncio
