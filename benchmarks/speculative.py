@@ -2,9 +2,11 @@
 
     .venv/bin/python -m benchmarks.speculative [--batches 1 2 4 8] [--threads 2] [--repeats 2]
 
-Documents of 300-600 tokens, summaries of 96 tokens, greedy (the outputs of both runs are compared: they
-must be identical). The two engines take turns on each batch size; the acceptance rate and the ratio per
-batch size say where speculation stops paying. JSON and a PNG plot under benchmarks/results/.
+Documents of 300-600 tokens, summaries of 96 tokens, greedy (the outputs of every run are compared: they
+must be identical). Three engines take turns on each batch size: without speculation, with it at every batch
+size (the acceptance rate and the ratio per batch size say where it stops paying), and with it as configured
+by default (the engine stops proposing above `speculative.CPU_BATCH_LIMIT` running sequences on a CPU).
+JSON and a PNG plot under benchmarks/results/.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from inference_engine import LLM, SamplingParams
 
 SUMMARY_TOKENS = 96
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+UNLIMITED = {**NGRAM, "disable_by_batch_size": None}
 _FACTS = [
     "The plant in Leeds produced {n} tonnes of steel in the third quarter, up from {m} a year earlier.",
     "Its new furnace, commissioned in {y}, cut energy use per tonne by {p} percent.",
@@ -70,27 +73,34 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     common = {"dtype": args.dtype, "quantization": args.quantization, "max_num_seqs": max(args.batches)}
-    plain, spec = LLM(**common), LLM(**common, speculative_config=NGRAM)
-    prompts = documents(max(args.documents, max(args.batches)), plain.get_tokenizer())
-    plain.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)
-    spec.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)
+    engines = {
+        "plain": LLM(**common),
+        "ngram": LLM(**common, speculative_config=UNLIMITED),
+        "ngram_default": LLM(**common, speculative_config=NGRAM),
+    }
+    prompts = documents(max(args.documents, max(args.batches)), engines["plain"].get_tokenizer())
+    for llm in engines.values():
+        llm.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)
     result = {"threads": args.threads, "dtype": args.dtype, "speculative_config": NGRAM, "batches": {}}
     for batch in args.batches:
-        proposer = spec.llm_engine.proposer
+        proposer = engines["ngram"].llm_engine.proposer
         drafted, accepted = proposer.num_draft_tokens, proposer.num_accepted_tokens
-        best = {"plain": 0.0, "ngram": 0.0}
+        best = dict.fromkeys(engines, 0.0)
         for _ in range(args.repeats):
-            rate, expected = run(plain, prompts, batch)
-            best["plain"] = max(best["plain"], rate)
-            rate, got = run(spec, prompts, batch)
-            best["ngram"] = max(best["ngram"], rate)
-            assert got == expected, "speculation changed greedy outputs"
+            outputs = []
+            for name, llm in engines.items():
+                rate, got = run(llm, prompts, batch)
+                best[name] = max(best[name], rate)
+                outputs.append(got)
+            assert outputs[1] == outputs[0] == outputs[2], "speculation changed greedy outputs"
         drafted, accepted = proposer.num_draft_tokens - drafted, proposer.num_accepted_tokens - accepted
         result["batches"][batch] = {
             "plain_tokens_per_s": best["plain"],
             "ngram_tokens_per_s": best["ngram"],
             "speedup": best["ngram"] / best["plain"],
             "acceptance_rate": accepted / max(drafted, 1),
+            "default_tokens_per_s": best["ngram_default"],
+            "default_speedup": best["ngram_default"] / best["plain"],
         }
         print(batch, json.dumps(result["batches"][batch]), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -106,7 +116,12 @@ def plot(result: dict, path: Path) -> None:
 
     batches = list(result["batches"])
     fig, ax = plt.subplots(figsize=(6, 4))
-    for key, label in (("plain_tokens_per_s", "without speculation"), ("ngram_tokens_per_s", "n-gram, k=4")):
+    lines = (
+        ("plain_tokens_per_s", "without speculation"),
+        ("ngram_tokens_per_s", "n-gram, k=4, every batch size"),
+        ("default_tokens_per_s", "n-gram, k=4, default batch limit"),
+    )
+    for key, label in lines:
         ax.plot(batches, [result["batches"][b][key] for b in batches], "o-", label=label)
     ax.set(xlabel="batch size", ylabel="output tokens/s", title="Summaries of 300-600-token reports")
     ax.set_xscale("log", base=2)

@@ -61,7 +61,9 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config, self.block_manager)
         self.proposer = (
-            NgramProposer(NgramConfig.from_dict(config.speculative_config), self.max_model_len)
+            NgramProposer(
+                NgramConfig.from_dict(config.speculative_config, self.runner.device.type), self.max_model_len
+            )
             if config.speculative_config
             else None
         )

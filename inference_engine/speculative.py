@@ -9,8 +9,11 @@ token, and the sampler keeps the longest prefix the model agrees with plus one t
 rejection sampling, which keeps the output distribution). The engine then rolls back what the rejected
 tokens left behind (`LLMEngine._settle`). Summaries and extractions quote their sources, which is where
 this pays; a large batch already keeps the hardware busy, so above `disable_by_batch_size` running
-sequences nothing is proposed. Nor for structured-output requests: a draft token their grammar forbids would
-have to be masked position by position, and a copied n-gram rarely fits a grammar anyway.
+sequences nothing is proposed. Unset, that limit is `CPU_BATCH_LIMIT` on a CPU, where verifying drafts costs
+compute that a batch of several sequences already saturates (`benchmarks/speculative.py`), and none on a GPU,
+where a step's extra tokens are nearly free; JSON null lifts it. Nor for structured-output requests: a draft
+token their grammar forbids would have to be masked position by position, and a copied n-gram rarely fits a
+grammar anyway.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from numpy.lib.stride_tricks import sliding_window_view
 from inference_engine.errors import InvalidRequestError
 from inference_engine.sequence import Sequence
 
+CPU_BATCH_LIMIT = 4
+
 
 @dataclass
 class NgramConfig:
@@ -32,8 +37,9 @@ class NgramConfig:
     disable_by_batch_size: int | None = None  # no proposals while more sequences than this are running
 
     @classmethod
-    def from_dict(cls, config: dict) -> NgramConfig:
+    def from_dict(cls, config: dict, device: str = "cpu") -> NgramConfig:
         config = dict(config)
+        config.setdefault("disable_by_batch_size", CPU_BATCH_LIMIT if device == "cpu" else None)
         method = config.pop("method", "ngram")
         if method != "ngram":
             raise InvalidRequestError(f"speculative method {method!r} is not supported (only 'ngram').")
@@ -47,6 +53,9 @@ class NgramConfig:
             raise InvalidRequestError("num_speculative_tokens must be in [1, 16].")
         if not 1 <= result.prompt_lookup_min <= result.prompt_lookup_max:
             raise InvalidRequestError("need 1 <= prompt_lookup_min <= prompt_lookup_max.")
+        limit = result.disable_by_batch_size
+        if limit is not None and (not isinstance(limit, int) or limit < 1):
+            raise InvalidRequestError("disable_by_batch_size must be a positive integer or null.")
         return result
 
 

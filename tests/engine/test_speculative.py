@@ -12,7 +12,13 @@ from inference_engine.speculative import NgramConfig, ngram_proposal
 
 from .conftest import PROMPTS, assert_all_blocks_free, greedy
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_max": 4,
+    "prompt_lookup_min": 1,
+    "disable_by_batch_size": None,  # speculation at any batch size, so every test prompt runs through it
+}
 QUOTING = [
     "Minutes: the board approved the budget of 2.4 million euros and the hiring of two engineers. "
     "Question: what did the board approve? Answer: the board approved the budget of",
@@ -85,10 +91,21 @@ def test_no_proposals_above_the_batch_limit(spec_llm, monkeypatch):
     assert spec_llm.llm_engine.proposer.num_draft_tokens - drafted < 4 * 8
 
 
+def test_the_batch_limit_defaults_by_device():
+    """Unset, speculation stops above a few sequences on a CPU and never on a GPU; null lifts the limit."""
+    config = {"method": "ngram", "num_speculative_tokens": 2}
+    assert NgramConfig.from_dict(config).disable_by_batch_size == speculative.CPU_BATCH_LIMIT
+    assert NgramConfig.from_dict(config, "cuda").disable_by_batch_size is None
+    lifted = NgramConfig.from_dict({**config, "disable_by_batch_size": None})
+    assert lifted.disable_by_batch_size is None
+    assert NgramConfig.from_dict({**config, "disable_by_batch_size": 8}, "cuda").disable_by_batch_size == 8
+
+
 @pytest.mark.parametrize(
     "config",
     [
         {"method": "eagle", "num_speculative_tokens": 2},
+        {"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0},
         {"method": "ngram", "num_speculative_tokens": 0},
         {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3},
         {"method": "ngram", "num_speculative_tokens": 2, "typo": 1},
