@@ -2,10 +2,10 @@
  *
  * On a CPU every PyTorch op costs microseconds of dispatch, and a decode step of a small model is made of
  * hundreds of them on tensors of a few thousand elements: each function here replaces three to six
- * ops with one pass (SiLU * up was tried too; PyTorch's vectorised SiLU beat a plain C loop). Results
- * are rounded to bf16 at the same points as the PyTorch ops they replace (only the order of the
- * RMSNorm's sum of squares differs). Built with -O3 -march=native by
- * kernels/cpu/_build.py, so the loops are vectorised for the machine at hand.
+ * ops with one pass (SiLU * up, which the native decoder also needs, is in decoder.c). Results are
+ * rounded to bf16 at the same points as the PyTorch ops they replace (only the order of the RMSNorm's sum
+ * of squares differs). Built with -O3 -march=native by kernels/cpu/_build.py, so the elementwise loops are
+ * vectorised for the machine at hand (the sums of squares are not: fp32 addition is kept in order).
  */
 #include <stdint.h>
 #include <string.h>
