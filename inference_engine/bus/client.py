@@ -682,13 +682,25 @@ class _OutputReader:
 
 class AsyncGenerationStream(_StreamState):
     """Async twin of `GenerationStream`. `async for` over it; cancelling the consuming task, leaving the loop
-    (the generator is closed when collected) or `async with` exit abort an unfinished request."""
+    (the generator is closed when collected), `async with` exit, or dropping the stream unfinished abort the
+    request."""
 
     client: AsyncEngineClient
 
-    def __init__(self, client: AsyncEngineClient, model: str, request_id: str) -> None:
+    def __init__(
+        self, client: AsyncEngineClient, model: str, request_id: str, *, owns_request: bool = False
+    ) -> None:
         super().__init__(client, model, request_id)
         self._queue = client._reader.subscribe(request_id)
+        self._loop = asyncio.get_running_loop()
+        self._owns_request = owns_request
+
+    def __del__(self) -> None:
+        # A generation dropped before its end that nobody aborted: a Django view cancelled (its client gone)
+        # after returning a streaming response whose iterator never started, so no `finally` of ours ran.
+        # Without this the engine would generate it to the end for nobody.
+        if getattr(self, "_owns_request", False) and not self._acc.finished and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self.client._abort_dropped, self.model, self.request_id)
 
     async def _next(self, timeout: float) -> P.Message:
         waiter = _Waiter(timeout, self.model)
@@ -768,6 +780,19 @@ class AsyncEngineClient:
         pool = aredis.BlockingConnectionPool.from_url(url, **_pool_kwargs(self.settings, AsyncRetry))
         self.redis = aredis.Redis(connection_pool=pool)
         self._reader = _OutputReader(self)
+        self._dropped: set[asyncio.Task] = set()  # aborts of dropped streams, until they are sent
+
+    def _abort_dropped(self, model: str, request_id: str) -> None:
+        self._reader.unsubscribe(request_id)
+        task = asyncio.get_running_loop().create_task(self._abort_quietly(model, request_id))
+        self._dropped.add(task)
+        task.add_done_callback(self._dropped.discard)
+
+    async def _abort_quietly(self, model: str, request_id: str) -> None:
+        try:
+            await self.abort(model, request_id)
+        except EngineError as exc:  # Redis is gone; nothing more can be done from here
+            log.warning("could not abort dropped request %s: %s", request_id, exc)
 
     async def close(self) -> None:
         await self._reader.close()
@@ -806,8 +831,12 @@ class AsyncEngineClient:
     ) -> AsyncGenerationStream:
         """See `EngineClient.generate`."""
         message = _generate_message(prompt, params, messages, request_id, priority, tools)
-        await self._run(self._core.submit(model, message))
-        stream = AsyncGenerationStream(self, model, message.id)
+        try:
+            await self._run(self._core.submit(model, message))
+        except asyncio.CancelledError:  # the request may have reached Redis before the cancellation did
+            await asyncio.shield(self._abort_quietly(model, message.id))
+            raise
+        stream = AsyncGenerationStream(self, model, message.id, owns_request=True)
         await stream._wait_ack()
         return stream
 
@@ -816,7 +845,7 @@ class AsyncEngineClient:
         another's items), read from its first entry; leaving it early aborts the request as for `generate`.
         Raises `RequestAbortedError` if the request was aborted."""
         await self._run(self._core.check_attachable(request_id))
-        return AsyncGenerationStream(self, model, request_id)
+        return AsyncGenerationStream(self, model, request_id, owns_request=True)
 
     async def tokenize(
         self,

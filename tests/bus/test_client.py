@@ -191,6 +191,64 @@ def test_async_client_streams_and_cancels(redis_server, prefix, engine, serve):
     asyncio.run(main())
 
 
+def test_a_dropped_stream_aborts_its_request(redis_server, prefix, engine, serve):
+    """A generation dropped unread and unaborted, as by a Django view cancelled (its client gone) after it
+    returned a streaming response whose iterator never started, is aborted in the engine."""
+    serve()
+
+    async def main():
+        client = AsyncEngineClient(redis_server.url, prefix=prefix, ack_timeout=5, stream_timeout=5)
+        try:
+            before = engine.generation_tokens_total
+            stream = await client.generate(MODEL, "slow", {"max_tokens": 500, "ignore_eos": True})
+            del stream
+            await _settled(engine)
+            assert engine.generation_tokens_total - before < 500
+            # an answered tokenize is not a generation: dropping it sends nothing more
+            assert (await client.tokenize(MODEL, "ab")).token_ids == engine.tokenizer.encode("ab")
+            assert not client._dropped
+        finally:
+            await client.close()
+
+    asyncio.run(main())
+
+
+def test_a_generate_cancelled_during_its_submission_aborts_the_request(redis_server, prefix, engine, serve):
+    """Cancelled after the request reached Redis but before the reply did (a loaded event loop), `generate`
+    still aborts it: nobody else knows its id."""
+    serve()
+
+    async def main():
+        client = AsyncEngineClient(redis_server.url, prefix=prefix, ack_timeout=5, stream_timeout=5)
+        run, late = client._run, []
+
+        async def late_reply(op):
+            result = await run(op)
+            if not late:  # the submission's reply only
+                late.append(True)
+                await asyncio.sleep(30)
+            return result
+
+        client._run = late_reply
+        try:
+            before = engine.generation_tokens_total
+            params = {"max_tokens": 500, "ignore_eos": True}
+            task = asyncio.create_task(client.generate(MODEL, "slow", params))
+            for _ in range(100):  # until the engine runs it
+                if engine.has_unfinished_requests():
+                    break
+                await asyncio.sleep(0.02)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await _settled(engine)
+            assert engine.generation_tokens_total - before < 500
+        finally:
+            await client.close()
+
+    asyncio.run(main())
+
+
 def test_async_cancellation_is_never_swallowed(redis_server, prefix, engine, serve):
     """Consumers cancelled at staggered moments all stop with CancelledError and abort their requests:
     redis-py drops a cancellation that lands while a blocking read times out, so the client checks."""
