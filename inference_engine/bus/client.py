@@ -688,7 +688,7 @@ class AsyncGenerationStream(_StreamState):
     client: AsyncEngineClient
 
     def __init__(
-        self, client: AsyncEngineClient, model: str, request_id: str, *, owns_request: bool = False
+        self, client: AsyncEngineClient, model: str, request_id: str, *, owns_request: bool = True
     ) -> None:
         super().__init__(client, model, request_id)
         self._queue = client._reader.subscribe(request_id)
@@ -836,7 +836,7 @@ class AsyncEngineClient:
         except asyncio.CancelledError:  # the request may have reached Redis before the cancellation did
             await asyncio.shield(self._abort_quietly(model, message.id))
             raise
-        stream = AsyncGenerationStream(self, model, message.id, owns_request=True)
+        stream = AsyncGenerationStream(self, model, message.id)
         await stream._wait_ack()
         return stream
 
@@ -845,7 +845,7 @@ class AsyncEngineClient:
         another's items), read from its first entry; leaving it early aborts the request as for `generate`.
         Raises `RequestAbortedError` if the request was aborted."""
         await self._run(self._core.check_attachable(request_id))
-        return AsyncGenerationStream(self, model, request_id, owns_request=True)
+        return AsyncGenerationStream(self, model, request_id)
 
     async def tokenize(
         self,
@@ -879,7 +879,8 @@ class AsyncEngineClient:
 
     async def _call(self, model: str, message: P.Tokenize | P.Detokenize | P.TokenizerInfo) -> P.Result:
         await self._run(self._core.submit(model, message))
-        stream = AsyncGenerationStream(self, model, message.id)
+        # an answer, not a generation: dropping it after the answer aborts nothing
+        stream = AsyncGenerationStream(self, model, message.id, owns_request=False)
         return _answer(await stream._next(self.settings.ack_timeout))
 
 
