@@ -17,6 +17,7 @@ from django.urls import reverse
 from llmserve.bulk import batches, services
 from llmserve.bulk.models import BatchFile, BulkJob
 from llmserve.models import APIKey
+from tests.rate_window import early_in_a_rate_window
 
 from .conftest import PARAMS, TEMPLATE, BulkStack, wait_until
 
@@ -206,8 +207,7 @@ def test_batch_tokens_per_key_and_its_rate_limit(bulk_stack: BulkStack) -> None:
     four = b"\n".join(content.splitlines()[:4])
     roomy_upload = BatchFile.objects.create(owner=roomy, purpose="batch", filename="four.jsonl", content=four)
     # Start early in a rate-limit window, so that the jobs cannot reach the next one.
-    if time.time() % 60 > 20:
-        time.sleep(61 - time.time() % 60)
+    early_in_a_rate_window(40)
     window = time.time() // 60
     batch = batches.create_batch(upload, "/v1/chat/completions", owner=key)
     roomy_job = batches.create_batch(roomy_upload, "/v1/chat/completions", owner=roomy).job

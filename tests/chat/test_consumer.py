@@ -14,6 +14,7 @@ from django.test import Client
 from hostproject.asgi import application
 from llmserve.models import APIKey
 from tests.bus.conftest import MODEL, generate_offline, wait_idle
+from tests.rate_window import early_in_a_rate_window
 
 ORIGIN, HOST = (b"origin", b"http://127.0.0.1"), (b"host", b"127.0.0.1")
 MESSAGES = [{"role": "user", "content": "Hi"}]
@@ -220,6 +221,7 @@ async def test_api_key_as_subprotocol_or_header_and_its_rate_limit(served) -> No
         assert (await ws.receive_json_from(5))["type"] == "ready"
         await ws.disconnect()
 
+    early_in_a_rate_window(10)
     ws = communicator(subprotocols=["llmserve.chat", f"llmserve.key.{raw}"])
     await ws.connect()
     await ws.receive_json_from(5)

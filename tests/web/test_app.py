@@ -18,6 +18,7 @@ from llmserve.api.errors import BadRequest
 from llmserve.auth import AuthenticationFailed, aauthenticate
 from llmserve.management.commands.llmserve_engine import serve_command
 from llmserve.models import APIKey, ModelConfig, hash_key
+from tests.rate_window import early_in_a_rate_window
 
 
 @pytest.mark.django_db
@@ -55,6 +56,7 @@ def test_rate_limit_window() -> None:
     async def run() -> list[float | None]:
         return [await ratelimit.ahit("unit-test", 2) for _ in range(3)] + [await ratelimit.ahit("other", 0)]
 
+    early_in_a_rate_window(5)
     first, second, third, unlimited = asyncio.run(run())
     assert first is None and second is None and unlimited is None
     assert third is not None and 0 < third <= ratelimit.WINDOW

@@ -12,6 +12,7 @@ import pytest
 import redis
 
 from inference_engine.bus import protocol as P
+from tests.rate_window import early_in_a_rate_window
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -153,6 +154,7 @@ def test_error_cases_raise_matching_exceptions(client, stack) -> None:
 def test_rate_limit_gives_429_with_retry_after(stack) -> None:
     raw = stack.manage("llmserve_createkey", "limited", "--rate-limit", "2").strip()
     limited = openai.OpenAI(base_url=stack.base_url + "/v1", api_key=raw, max_retries=0)
+    early_in_a_rate_window(10)
     for _ in range(2):
         limited.models.list()
     with pytest.raises(openai.RateLimitError) as info:
