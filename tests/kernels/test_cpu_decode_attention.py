@@ -1,6 +1,7 @@
 """The native CPU decode kernel, and the PyTorch decode path it replaces, against the per-sequence
 reference of kernels/reference.py on fresh random inputs."""
 
+import itertools
 import math
 import os
 import random
@@ -105,6 +106,7 @@ def test_can_be_switched_off():
 # a cached prefix, mixed in one step as the scheduler builds them.
 MIXED = [
     ([40, 17, 1, 64], [40, 1, 1, 30], 16, BF16),
+    ([40, 17, 1, 64], [1, 1, 1, 1], 16, BF16),  # decodes only
     ([5, 300, 33], [5, 120, 1], 8, F32),
     ([129, 2], [129, 2], 32, BF16),
     (random.Random(4).choices(range(50, 200), k=6), [1, 50, 7, 1, 49, 16], 16, BF16),
@@ -161,6 +163,31 @@ def test_backend_matches_extend_reference(
     k, v = torch.stack(k_new), torch.stack(v_new)
     out = torch_backend.forward(q, k, v, kv.k_cache, kv.v_cache, meta, 0.125)
     assert_close(out, ref)
+
+
+@pytest.mark.parametrize("query_lens", [[1, 1, 1], [3, 1, 2]], ids=["decodes", "mixed"])
+def test_every_query_token_attends_to_its_prefix(query_lens):
+    """`per_token`: each query token as a decode of its own, its sequence's block table and its position + 1
+    as its length (decode-only steps take a shortcut to the same answer)."""
+    from inference_engine.attention import AttentionMetadata
+
+    seq_lens, tables = [5, 9, 2], torch.tensor([[3, 0], [1, 4], [2, 0]], dtype=torch.int32)
+    starts = [0, *itertools.accumulate(query_lens)]
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(starts[-1], dtype=torch.int64),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=tables,
+        query_lens=query_lens,
+        context_lens=[s - n for s, n in zip(seq_lens, query_lens, strict=True)],
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+    )
+    per_token_tables, lens = meta.per_token()
+    owners = [b for b, n in enumerate(query_lens) for _ in range(n)]
+    positions = [s - n + i for s, n in zip(seq_lens, query_lens, strict=True) for i in range(n)]
+    assert per_token_tables.tolist() == [tables[b].tolist() for b in owners]
+    assert lens.tolist() == [p + 1 for p in positions]
 
 
 @pytest.mark.parametrize(
