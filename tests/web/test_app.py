@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from asgiref.sync import sync_to_async
 from django.core import checks
 from django.core.management import ManagementUtility, call_command
+from django.db import connections
 from django.test import override_settings
 from django.urls import reverse
 
@@ -38,14 +40,19 @@ def test_authentication() -> None:
     key, raw = APIKey.objects.create_key("ci", rate_limit=7)
 
     async def run() -> None:
-        principal = await aauthenticate(f"Bearer {raw}")
-        assert principal.key.pk == key.pk and principal.rate_limit == 7
-        for header in (None, "Bearer", "Basic abc", "Bearer sk-llm-wrong"):
-            with pytest.raises(AuthenticationFailed):
-                await aauthenticate(header)
-        with override_settings(LLMSERVE={"OPEN_ACCESS": True}):
-            anonymous = await aauthenticate(None, "10.0.0.1")
-            assert anonymous.key is None and anonymous.identity == "addr:10.0.0.1"
+        try:
+            principal = await aauthenticate(f"Bearer {raw}")
+            assert principal.key.pk == key.pk and principal.rate_limit == 7
+            for header in (None, "Bearer", "Basic abc", "Bearer sk-llm-wrong"):
+                with pytest.raises(AuthenticationFailed):
+                    await aauthenticate(header)
+            with override_settings(LLMSERVE={"OPEN_ACCESS": True}):
+                anonymous = await aauthenticate(None, "10.0.0.1")
+                assert anonymous.key is None and anonymous.identity == "addr:10.0.0.1"
+        finally:
+            # The queries ran on asgiref's thread for sync code, whose connection would outlive the test
+            # (and keep pytest-django from dropping a PostgreSQL test database).
+            await sync_to_async(connections.close_all)()
 
     asyncio.run(run())
     key.refresh_from_db()
