@@ -328,9 +328,11 @@ class ModelRunner:
             hidden = self.graphs.run(step, size)
         else:
             hidden = self.model(step.input_ids, step.positions, step.meta)
+        # Sampled rows are distinct and in order, so as many as the step has rows are all of them (a decode).
+        sampled = hidden if len(step.sample_rows) == len(hidden) else hidden[step.sample_rows]
+        logits = self.model.compute_logits(sampled)
         # fp32 for the sampler (also where all rows are greedy: argmax over bf16 is 5x slower here), on the
         # model's device: the sampler brings back only token ids.
-        logits = self.model.compute_logits(hidden[step.sample_rows])
         logits = None if logits is None else logits.float()
         prompt_logits = self.model.compute_logits(hidden[plan.prompt_rows]) if plan.prompt_rows else None
         return logits, prompt_logits
