@@ -5,7 +5,8 @@
 Documents of 300-600 tokens, summaries of 96 tokens, greedy (the outputs of every run are compared: they
 must be identical). Three engines take turns on each batch size: without speculation, with it at every batch
 size (the acceptance rate and the ratio per batch size say where it stops paying), and with it as configured
-by default (the engine stops proposing above `speculative.CPU_BATCH_LIMIT` running sequences on a CPU).
+by default (on a CPU the engine stops proposing above `speculative.CPU_BATCH_LIMIT` running sequences, above
+`CPU_QUANTIZED_BATCH_LIMIT` for quantized weights).
 JSON and a PNG plot under benchmarks/results/.
 """
 

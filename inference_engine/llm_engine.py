@@ -60,13 +60,11 @@ class LLMEngine:
             self.runner.num_cpu_blocks,
         )
         self.scheduler = Scheduler(config, self.block_manager)
-        self.proposer = (
-            NgramProposer(
-                NgramConfig.from_dict(config.speculative_config, self.runner.device.type), self.max_model_len
-            )
-            if config.speculative_config
-            else None
-        )
+        self.proposer: NgramProposer | None = None
+        if config.speculative_config:
+            quantized = loaded.quantization != "none"
+            ngram = NgramConfig.from_dict(config.speculative_config, self.runner.device.type, quantized)
+            self.proposer = NgramProposer(ngram, self.max_model_len)
         self.sampler = Sampler(self.tokenizer.eos_token_ids, config.seed)
         self.structured = StructuredOutputs(self.tokenizer, loaded.config.vocab_size)
         self.groups: dict[str, SequenceGroup] = {}

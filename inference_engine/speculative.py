@@ -10,8 +10,9 @@ rejection sampling, which keeps the output distribution). The engine then rolls 
 tokens left behind (`LLMEngine._settle`). Summaries and extractions quote their sources, which is where
 this pays; a large batch already keeps the hardware busy, so above `disable_by_batch_size` running
 sequences nothing is proposed. Unset, that limit is `CPU_BATCH_LIMIT` on a CPU, where verifying drafts costs
-compute that a batch of several sequences already saturates (`benchmarks/speculative.py`), and none on a GPU,
-where a step's extra tokens are nearly free; JSON null lifts it. Nor for structured-output requests: a draft
+compute that a batch of several sequences already saturates (`benchmarks/speculative.py`), lower for quantized
+weights, whose kernels spend more arithmetic on each extra row; none on a GPU, where a step's extra tokens are
+nearly free. JSON null lifts it. Nor for structured-output requests: a draft
 token their grammar forbids would have to be masked position by position, and a copied n-gram rarely fits a
 grammar anyway.
 """
@@ -27,6 +28,7 @@ from inference_engine.errors import InvalidRequestError
 from inference_engine.sequence import Sequence
 
 CPU_BATCH_LIMIT = 4
+CPU_QUANTIZED_BATCH_LIMIT = 2
 
 
 @dataclass
@@ -37,9 +39,11 @@ class NgramConfig:
     disable_by_batch_size: int | None = None  # no proposals while more sequences than this are running
 
     @classmethod
-    def from_dict(cls, config: dict, device: str = "cpu") -> NgramConfig:
+    def from_dict(cls, config: dict, device: str = "cpu", quantized: bool = False) -> NgramConfig:
+        """`device` and `quantized` (the model's weights) choose the default `disable_by_batch_size`."""
         config = dict(config)
-        config.setdefault("disable_by_batch_size", CPU_BATCH_LIMIT if device == "cpu" else None)
+        cpu_limit = CPU_QUANTIZED_BATCH_LIMIT if quantized else CPU_BATCH_LIMIT
+        config.setdefault("disable_by_batch_size", cpu_limit if device == "cpu" else None)
         method = config.pop("method", "ngram")
         if method != "ngram":
             raise InvalidRequestError(f"speculative method {method!r} is not supported (only 'ngram').")

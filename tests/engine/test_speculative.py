@@ -92,13 +92,25 @@ def test_no_proposals_above_the_batch_limit(spec_llm, monkeypatch):
 
 
 def test_the_batch_limit_defaults_by_device():
-    """Unset, speculation stops above a few sequences on a CPU and never on a GPU; null lifts the limit."""
+    """Unset, speculation stops above a few sequences on a CPU (fewer for quantized weights) and never on a
+    GPU; null lifts the limit."""
     config = {"method": "ngram", "num_speculative_tokens": 2}
     assert NgramConfig.from_dict(config).disable_by_batch_size == speculative.CPU_BATCH_LIMIT
+    quantized = NgramConfig.from_dict(config, quantized=True).disable_by_batch_size
+    assert quantized == speculative.CPU_QUANTIZED_BATCH_LIMIT < speculative.CPU_BATCH_LIMIT
     assert NgramConfig.from_dict(config, "cuda").disable_by_batch_size is None
+    assert NgramConfig.from_dict(config, "cuda", quantized=True).disable_by_batch_size is None
     lifted = NgramConfig.from_dict({**config, "disable_by_batch_size": None})
     assert lifted.disable_by_batch_size is None
     assert NgramConfig.from_dict({**config, "disable_by_batch_size": 8}, "cuda").disable_by_batch_size == 8
+
+
+@pytest.mark.parametrize(("quantization", "limit"), [(None, 2), ("none", 4)], ids=["q4_1", "dequantized"])
+def test_the_engine_takes_the_limit_of_its_weights(quantization, limit):
+    """The bundled Q4_1 file kept quantized gets the quantized default; dequantized, the dense one."""
+    config = {"method": "ngram", "num_speculative_tokens": 2}
+    engine = LLM(quantization=quantization, max_model_len=256, speculative_config=config).llm_engine
+    assert engine.proposer.config.disable_by_batch_size == limit
 
 
 @pytest.mark.parametrize(
