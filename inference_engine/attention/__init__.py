@@ -38,9 +38,11 @@ class AttentionMetadata:
         A prefill token at position p attends to the first p + 1 cached tokens of its sequence, exactly
         like a decode, so one decode kernel serves prefill chunks too. Computed once per step.
         """
-        if self._per_token is None and self.decode_only:  # a decode token attends to its whole sequence
+        if self._per_token is not None:
+            return self._per_token
+        if self.decode_only:  # a decode token attends to its whole sequence
             self._per_token = (self.block_tables, self.seq_lens)
-        elif self._per_token is None:
+        else:
             q_lens = torch.tensor(self.query_lens)
             device = self.block_tables.device
             tables = self.block_tables.repeat_interleave(q_lens.to(device), dim=0)
