@@ -35,8 +35,8 @@ _PADDED_ROWS = 33
 _TILE = 32  # output rows per tile of the bf16 kernel (TILE in linear_bf16.c)
 _QTILE = 16  # output rows per tile of the quantized kernel (QTILE in linear_quant.c)
 _XBLOCK = 32  # columns of x per int8 scale (XBLOCK in linear_quant.c)
-_LARGE_ROWS = 64  # the row count at which a routine for prompts (many rows) is timed
-_CANDIDATE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # where a crossover is looked for
+_LARGE_ROWS = 512  # the row count at which a routine for prompts (many rows) is timed
+_CANDIDATE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256)  # where a crossover is looked for
 _ALL = math.inf
 
 
@@ -156,20 +156,28 @@ class _BF16Weight(ctypes.Structure):
         ("k", ctypes.c_int),
         ("portable", ctypes.c_int),
         ("fma_rows", ctypes.c_int),
+        ("amx_rows", ctypes.c_int),
     ]
 
 
 class _BF16Tiles:
     """The native bf16 kernel on the weight repacked into its pair tiles (see csrc/linear_bf16.c)."""
 
-    def __init__(self, weight: torch.Tensor, portable: bool = False, fma_rows: int | None = None) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        portable: bool = False,
+        fma_rows: int | None = None,
+        amx_rows: int | None = None,
+    ) -> None:
         n, k = weight.shape
         self.n, self.k, self.k_even = n, k, k + k % 2
         tiles = -(-n // _TILE)
         padded = F.pad(weight, (0, self.k_even - k, 0, tiles * _TILE - n))
         self.tiles = padded.view(tiles, _TILE, self.k_even // 2, 2).transpose(1, 2).contiguous()
         fma_rows = _fma_rows() if fma_rows is None else fma_rows
-        self.desc = _BF16Weight(self.tiles.data_ptr(), n, self.k_even, int(portable), fma_rows)
+        amx_rows = _amx_rows() if amx_rows is None else amx_rows
+        self.desc = _BF16Weight(self.tiles.data_ptr(), n, self.k_even, int(portable), fma_rows, amx_rows)
         self.desc_ptr = ctypes.addressof(self.desc)
         self.fn = function("linear_bf16", None, ptr, ptr, i64, i32, ptr, ptr, i32)
 
@@ -290,6 +298,30 @@ def _read_plans(path: Path) -> dict:
         return {}
 
 
+def native_amx() -> bool:
+    """Whether the bf16 kernel can multiply through AMX tiles here (the CPU has them, Linux allows them)."""
+    fn = function("linear_bf16_amx_routine", i32)
+    return fn is not None and bool(fn())
+
+
+@cache
+def _amx_rows() -> int:
+    """From how many rows the bf16 kernel multiplies through AMX tiles (0: never), timed once per machine.
+    Their sums round differently from vdpbf16ps's in a rare last bit, so below this count a token's logits
+    do not depend on how many others share its step; above it they may, as with oneDNN."""
+    if not native_amx():
+        return 0
+
+    def time_it() -> _Plan:
+        weight = torch.randn(3072, 576, generator=torch.Generator().manual_seed(0)).to(BF16)
+        vector = _BF16Tiles(weight, fma_rows=_fma_rows(), amx_rows=0)
+        amx = _BF16Tiles(weight, fma_rows=_fma_rows(), amx_rows=1)
+        return _timed_plan(vector, amx, weight.shape[1], BF16, other_costs_memory=False)
+
+    rows = _remembered("bf16 amx [3072, 576]", time_it).native_rows
+    return 0 if rows == _ALL else int(rows) + 1
+
+
 @cache
 def _fma_rows() -> int:
     """From how many rows a chunk of the bf16 kernel multiplies in fp32 FMAs rather than with vdpbf16ps
@@ -302,7 +334,7 @@ def _fma_rows() -> int:
 
     def time_it() -> _Plan:
         weight = torch.randn(3072, 576, generator=torch.Generator().manual_seed(0)).to(BF16)
-        vdpbf16, fma = _BF16Tiles(weight, fma_rows=0), _BF16Tiles(weight, fma_rows=1)
+        vdpbf16, fma = _BF16Tiles(weight, fma_rows=0, amx_rows=0), _BF16Tiles(weight, fma_rows=1, amx_rows=0)
         return _timed_plan(vdpbf16, fma, weight.shape[1], BF16, other_costs_memory=False)
 
     rows = _remembered("bf16 fma [3072, 576]", time_it).native_rows

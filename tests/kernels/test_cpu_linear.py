@@ -31,6 +31,7 @@ LM_HEAD = (49152, 576)
 needs_native = pytest.mark.skipif(not available(), reason="no C compiler: the native kernels cannot build")
 needs_bf16 = pytest.mark.skipif(not cpu_linear.native_bf16(), reason="this CPU has no AVX512-BF16")
 needs_vnni = pytest.mark.skipif(not cpu_linear.native_quant(), reason="this CPU has no AVX512-VNNI")
+needs_amx = pytest.mark.skipif(not cpu_linear.native_amx(), reason="no AMX here")
 needs_onednn = pytest.mark.skipif(not cpu_linear.prepacking_works(BF16), reason="no oneDNN prepacked linear")
 
 
@@ -86,6 +87,7 @@ DENSE_ROUTINES = {
     "portable": (lambda w: cpu_linear._BF16Tiles(w, portable=True), [needs_native]),
     "vdpbf16": (lambda w: cpu_linear._BF16Tiles(w, fma_rows=0), [needs_native, needs_bf16]),
     "fma": (lambda w: cpu_linear._BF16Tiles(w, fma_rows=1), [needs_native, needs_bf16]),
+    "amx": (lambda w: cpu_linear._BF16Tiles(w, amx_rows=1), [needs_native, needs_amx]),
     "onednn": (lambda w: cpu_linear._OneDNN(w, pad=False), [needs_onednn]),
 }
 
@@ -122,7 +124,8 @@ def test_dense_bf16_fma_and_vdpbf16_give_the_same_bits(gen, shape):
     many other tokens share its step, or speculative decoding and batching would change greedy outputs."""
     n, k = shape
     weight, bias = rand(gen, n, k), rand(gen, n)
-    vdpbf16, fma = cpu_linear._BF16Tiles(weight, fma_rows=0), cpu_linear._BF16Tiles(weight, fma_rows=1)
+    vdpbf16 = cpu_linear._BF16Tiles(weight, fma_rows=0, amx_rows=0)
+    fma = cpu_linear._BF16Tiles(weight, fma_rows=1, amx_rows=0)
     wide = rand(gen, 40, k + 9) * torch.rand(40, k + 9, generator=gen).to(BF16) * 8
     for rows in (1, 4, 13, 40):
         x = wide[:rows, 3 : 3 + k]  # strided rows, magnitudes spread over decades
@@ -131,12 +134,31 @@ def test_dense_bf16_fma_and_vdpbf16_give_the_same_bits(gen, shape):
 
 
 @needs_native
+@needs_amx
+@pytest.mark.parametrize("shape", [(200, 96), (45, 64), (33, 1536)], ids=str)
+def test_dense_bf16_amx_bias_strided_rows_and_two_threads(gen, shape):
+    """AMX takes K in blocks of 32 columns and rows in passes of up to 32 (x copied, zero-padded): row counts
+    around a pass, partial tiles of outputs, and rows of x further apart than K."""
+    torch.set_num_threads(2)
+    n, k = shape
+    weight, bias = rand(gen, n, k), rand(gen, n)
+    routine = cpu_linear._BF16Tiles(weight, amx_rows=1)
+    wide = rand(gen, 70, k + 40)
+    for rows in (1, 16, 17, 32, 33, 70):
+        x = wide[:rows, 7 : 7 + k]
+        assert_matches(routine(x, bias), x, weight, bias)
+
+
+@needs_native
 @needs_bf16
 @pytest.mark.parametrize("rows", [1, 5, 33])
-def test_dense_bf16_lm_head(gen, rows):
+@pytest.mark.parametrize("amx_rows", [0, 1], ids=["vector", "amx"])
+def test_dense_bf16_lm_head(gen, rows, amx_rows):
+    if amx_rows and not cpu_linear.native_amx():
+        pytest.skip("this CPU has no AMX")
     weight = rand(gen, *LM_HEAD)
     x = rand(gen, rows, LM_HEAD[1])
-    assert_matches(cpu_linear._BF16Tiles(weight)(x, None), x, weight)
+    assert_matches(cpu_linear._BF16Tiles(weight, amx_rows=amx_rows)(x, None), x, weight)
 
 
 def test_pack_and_linear_give_the_matmul_for_every_row_count(gen):

@@ -7,7 +7,8 @@
  * so that one pair of a tile is two 16-lane vectors of bf16 pairs: vdpbf16ps multiplies them by a
  * broadcast pair of x and adds each lane's two exact products to its row's fp32 sum, with no shuffles and
  * no horizontal sums. Up to MAX_MR rows of x share each loaded vector; larger M runs in chunks of rows,
- * the tile then coming from L2. Threads take contiguous runs of tiles, one sequential stream each.
+ * the tile then coming from L2. Threads take contiguous runs of tiles, one sequential stream each. Where
+ * the CPU has AMX, steps of enough rows multiply whole blocks of a tile at once instead (linear_bf16_amx).
  *
  * Layouts: x [M, K] bf16 with row stride ldx (its pairs are read as 32-bit words, so K is even here: the
  * caller pads an odd K); out [M, N] bf16, contiguous; bias [N] bf16 or null.
@@ -32,6 +33,7 @@ struct bf16_weight {
     int portable; /* the plain loops even where vector code is present (tests run both paths) */
     int fma_rows; /* chunks of at least this many rows go through fp32 FMAs instead of vdpbf16ps (0: none);
                      the caller times where that pays on this CPU */
+    int amx_rows; /* steps of at least this many rows go through AMX tiles where present (0: never); timed too */
 };
 
 static inline int chunk_rows(int m) { /* rows per chunk, as even as MAX_MR allows */
@@ -152,6 +154,125 @@ static void tile_rows_avx512(const uint16_t *x, long ldx, const float *xf, long 
 }
 #endif
 
+#if defined(HAVE_AVX512_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define HAVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* With AMX, a tile multiply takes 16 rows of x by 32 columns against 32 columns of 16 outputs at once, and
+ * its fp32 sums stay in a tile register for the whole of K: enough rows share every weight for the stream
+ * to run at memory speed whatever the row count up to 32 (vdpbf16ps spends two instructions per row and
+ * pair of columns, and oneDNN's prepacked linear streams its weight at well under memory speed here). Its
+ * sums are added in another order than vdpbf16ps's, so its bits may differ; `amx_rows` keeps it to steps
+ * of many rows. Tiles:
+ *   tmm0, tmm1: x, rows 0-15 and 16-31 of a pass, 32 columns;
+ *   tmm2, tmm3: a block of 16 column pairs of the weight tile, its outputs 0-15 and 16-31 (in the packed
+ *               tile a pair's 32 outputs lie side by side, 128 bytes: the layout AMX takes, 64 bytes apart);
+ *   tmm4-tmm7: the sums, rows 0-15 x outputs 0-15, 0-15 x 16-31, 16-31 x 0-15, 16-31 x 16-31. */
+#define AMX_ROWS 32
+
+struct tile_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+};
+
+/* Linux gives a process AMX's tile state only once asked (else its first tile instruction faults). */
+static int amx_permitted(void) {
+    static int permitted = -1; /* threads racing here ask twice, harmlessly */
+    if (permitted < 0) permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return permitted;
+}
+
+static void configure_tiles(int rows) {
+    struct tile_config config = {.palette = 1};
+    int first = rows < 16 ? rows : 16, second = rows - first;
+    config.rows[0] = config.rows[4] = config.rows[5] = first;
+    config.rows[1] = config.rows[6] = config.rows[7] = second;
+    config.rows[2] = config.rows[3] = 16;
+    for (int t = 0; t < 8; t++) config.bytes_per_row[t] = config.rows[t] ? 64 : 0;
+    _tile_loadconfig(&config);
+}
+
+/* One weight tile against `rows` rows of x (configured by configure_tiles; x zero-padded to them, row stride
+ * k), the first `valid` of them stored; sums: scratch for [32][32] fp32. */
+static void tile_amx(const uint16_t *x, long k, int rows, int valid_rows, const uint16_t *w, int pairs,
+                     const uint16_t *bias, uint16_t *out, long ldo, int valid, float *sums) {
+    int two = rows > 16;
+    _tile_zero(4);
+    _tile_zero(5);
+    if (two) {
+        _tile_zero(6);
+        _tile_zero(7);
+    }
+    for (int p = 0; p < pairs; p += 16) {
+        const uint16_t *wp = w + (long)p * 2 * TILE;
+        for (int line = 0; line < 32; line++) _mm_prefetch((const char *)wp + PREFETCH_BYTES + 64 * line, _MM_HINT_T1);
+        _tile_loadd(0, x + 2 * p, 2 * k);
+        _tile_loadd(2, wp, 4 * TILE);
+        _tile_loadd(3, wp + TILE, 4 * TILE);
+        _tile_dpbf16ps(4, 0, 2);
+        _tile_dpbf16ps(5, 0, 3);
+        if (two) {
+            _tile_loadd(1, x + 16 * k + 2 * p, 2 * k);
+            _tile_dpbf16ps(6, 1, 2);
+            _tile_dpbf16ps(7, 1, 3);
+        }
+    }
+    _tile_stored(4, sums, 4 * TILE);
+    _tile_stored(5, sums + 16, 4 * TILE);
+    if (two) {
+        _tile_stored(6, sums + 16 * TILE, 4 * TILE);
+        _tile_stored(7, sums + 16 * TILE + 16, 4 * TILE);
+    }
+    __mmask16 lo = first_lanes(valid), hi = valid > 16 ? first_lanes(valid - 16) : 0;
+    __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+    if (bias) {
+        b0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lo, bias)), 16));
+        b1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(hi, bias + 16)), 16));
+    }
+    for (int m = 0; m < valid_rows; m++) {
+        __m512 s0 = _mm512_add_ps(_mm512_loadu_ps(sums + m * TILE), b0);
+        __m512 s1 = _mm512_add_ps(_mm512_loadu_ps(sums + m * TILE + 16), b1);
+        _mm256_mask_storeu_epi16(out + m * ldo, lo, (__m256i)_mm512_cvtneps_pbh(s0));
+        if (valid > 16) _mm256_mask_storeu_epi16(out + m * ldo + 16, hi, (__m256i)_mm512_cvtneps_pbh(s1));
+    }
+}
+
+/* linear_bf16 through AMX tiles, in passes of up to AMX_ROWS rows (x copied once, zero-padded to whole
+ * passes, so that every pass fills the tiles as configured). Returns 0, or -1 without scratch memory. */
+static int linear_bf16_amx(const struct bf16_weight *w, const uint16_t *x, long ldx, int m, const uint16_t *bias,
+                           uint16_t *out, int num_threads) {
+    int tiles = (w->n + TILE - 1) / TILE, pairs = w->k / 2, passes = (m + AMX_ROWS - 1) / AMX_ROWS;
+    int rows = (m + passes - 1) / passes;
+    long k = w->k, tile_elems = (long)pairs * 2 * TILE;
+    uint16_t *xp = aligned_alloc(64, (sizeof(uint16_t) * passes * rows * k + 63) / 64 * 64);
+    if (!xp) return -1;
+    for (int r = 0; r < passes * rows; r++) {
+        if (r < m)
+            memcpy(xp + r * k, x + r * ldx, sizeof(uint16_t) * k);
+        else
+            memset(xp + r * k, 0, sizeof(uint16_t) * k);
+    }
+#pragma omp parallel num_threads(tiles < num_threads ? tiles : num_threads)
+    {
+        int t = omp_get_thread_num(), threads = omp_get_num_threads();
+        float sums[TILE * TILE] __attribute__((aligned(64)));
+        configure_tiles(rows);
+        for (int tile = tiles * t / threads; tile < tiles * (t + 1) / threads; tile++) {
+            const uint16_t *wt = w->tiles + tile * tile_elems, *b = bias ? bias + tile * TILE : 0;
+            int valid = w->n - tile * TILE < TILE ? w->n - tile * TILE : TILE;
+            for (int r = 0; r < m; r += rows)
+                tile_amx(xp + r * k, k, rows, m - r < rows ? m - r : rows, wt, pairs, b,
+                         out + (long)r * w->n + tile * TILE, w->n, valid, sums);
+        }
+        _tile_release(); /* a thread holding tile state costs every context switch 8 KB more */
+    }
+    free(xp);
+    return 0;
+}
+#endif
+
 #if !defined(HAVE_AVX512_BF16) && defined(__AVX2__) && defined(__FMA__)
 #define HAVE_AVX2_FMA 1
 #define MAX_MR_AVX2 4 /* 16 sums in the 16 ymm registers' budget; more rows spill */
@@ -219,6 +340,15 @@ int linear_bf16_fma_routine(void) {
 #endif
 }
 
+/* Whether linear_bf16 can take steps of many rows through AMX tiles here (compiled for them, allowed by Linux). */
+int linear_bf16_amx_routine(void) {
+#ifdef HAVE_AMX
+    return amx_permitted();
+#else
+    return 0;
+#endif
+}
+
 /* Whether linear_bf16 runs vector code of its own here (1: AVX512-BF16 or AVX2) or the plain loops (0). */
 int linear_bf16_native(void) {
 #if defined(HAVE_AVX512_BF16) || defined(HAVE_AVX2_FMA)
@@ -231,6 +361,11 @@ int linear_bf16_native(void) {
 void linear_bf16(const struct bf16_weight *w, const uint16_t *x, long ldx, int m, const uint16_t *bias,
                  uint16_t *out, int num_threads) {
     if (m == 0) return;
+#ifdef HAVE_AMX
+    if (!w->portable && w->amx_rows && m >= w->amx_rows && w->k % 32 == 0 && amx_permitted() &&
+        linear_bf16_amx(w, x, ldx, m, bias, out, num_threads) == 0)
+        return;
+#endif
     int tiles = (w->n + TILE - 1) / TILE, pairs = w->k / 2, mr = chunk_rows(m);
     long tile_elems = (long)pairs * 2 * TILE;
     float *xf = 0; /* x in fp32, for the FMA routine */
