@@ -2,10 +2,11 @@
 
 A linear layer at small batch is bound by reading its weight from memory, so each weight is repacked once
 into the layout a native kernel streams best (`csrc/linear_bf16.c` for dense bf16, `csrc/linear_quant.c`
-for `kernels.quantized` weights, kept quantized). Which routine serves which number of rows is measured
-once per weight shape when the weight is packed (native kernel, oneDNN's prepacked bf16 linear, or a
-dequantize-then-oneDNN matmul) and fixed then: `linear` only compares the row count with a number. The
-same packed layout serves embedding lookups of a tied weight, so no second plain copy is kept.
+for `kernels.quantized` weights, kept quantized), in memory backed by huge pages (`huge_pages`). Which
+routine serves which number of rows is measured once per weight shape when the weight is packed (native
+kernel, oneDNN's prepacked bf16 linear, or a dequantize-then-oneDNN matmul) and fixed then: `linear` only
+compares the row count with a number. The same packed layout serves embedding lookups of a tied weight, so
+no second plain copy is kept.
 
 With LLMSERVE_CPU_KERNELS=0 or without a compiler, dense bf16 weights run through oneDNN's prepacked
 linear and quantized weights are dequantized on every call.
@@ -26,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu._build import available, function, i32, i64, library_path, ptr
+from kernels.cpu.huge_pages import on_huge_pages
 from kernels.quantized import Int4Weight, QuantizedWeight
 from kernels.timing import best_time
 
@@ -174,7 +176,7 @@ class _BF16Tiles:
         self.n, self.k, self.k_even = n, k, k + k % 2
         tiles = -(-n // _TILE)
         padded = F.pad(weight, (0, self.k_even - k, 0, tiles * _TILE - n))
-        self.tiles = padded.view(tiles, _TILE, self.k_even // 2, 2).transpose(1, 2).contiguous()
+        self.tiles = on_huge_pages(padded.view(tiles, _TILE, self.k_even // 2, 2).transpose(1, 2))
         fma_rows = _fma_rows() if fma_rows is None else fma_rows
         amx_rows = _amx_rows() if amx_rows is None else amx_rows
         self.desc = _BF16Weight(self.tiles.data_ptr(), n, self.k_even, int(portable), fma_rows, amx_rows)
@@ -444,9 +446,9 @@ class _QuantTiles:
         half = all(_fits_half(v) for v in values)
         values = [v.view(tiles, _QTILE, groups).transpose(1, 2).contiguous() for v in values]
         values = [(v.half() if half else v).view(torch.uint8).view(tiles, groups, -1) for v in values]
-        self.packed = torch.cat(
-            [data.permute(0, 2, 3, 1, 4).reshape(tiles, groups, -1), *values], dim=2
-        ).flatten()
+        self.packed = on_huge_pages(
+            torch.cat([data.permute(0, 2, 3, 1, 4).reshape(tiles, groups, -1), *values], dim=2).flatten()
+        )
         self.perm = None if weight.perm is None else weight.perm.to(torch.int32).contiguous()
         perm_ptr = None if self.perm is None else self.perm.data_ptr()
         self.desc = _QuantWeight(
