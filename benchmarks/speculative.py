@@ -2,8 +2,11 @@
 
     .venv/bin/python -m benchmarks.speculative [--batches 1 2 4 8] [--threads 2] [--repeats 2]
 
-Documents of 300-600 tokens, summaries of 96 tokens, greedy (the outputs of every run are compared: they
-must be identical). Three engines take turns on each batch size: without speculation, with it at every batch
+Documents of 300-600 tokens, summaries of 96 tokens, greedy. The outputs of every run are compared with
+those of plain decoding: they must be identical where the steps verifying proposals have at most
+`SAME_BITS_ROWS` (20) rows, within which the CPU kernels give a row the bits it gets alone; beyond, a sum
+may round otherwise in its last bit (AMX, oneDNN), a near-tie may flip, and the summaries that differ are
+counted. Three engines take turns on each batch size: without speculation, with it at every batch
 size (the acceptance rate and the ratio per batch size say where it stops paying), and with it as configured
 by default (on a CPU the engine stops proposing above `speculative.CPU_BATCH_LIMIT` running sequences, above
 `CPU_QUANTIZED_BATCH_LIMIT` for quantized weights).
@@ -21,6 +24,7 @@ from pathlib import Path
 import torch
 
 from inference_engine import LLM, SamplingParams
+from kernels.cpu.linear import SAME_BITS_ROWS
 
 SUMMARY_TOKENS = 96
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
@@ -87,13 +91,19 @@ def main() -> None:
         proposer = engines["ngram"].llm_engine.proposer
         drafted, accepted = proposer.num_draft_tokens, proposer.num_accepted_tokens
         best = dict.fromkeys(engines, 0.0)
+        differing = dict.fromkeys(engines, 0)
         for _ in range(args.repeats):
-            outputs = []
+            outputs = {}
             for name, llm in engines.items():
                 rate, got = run(llm, prompts, batch)
                 best[name] = max(best[name], rate)
-                outputs.append(got)
-            assert outputs[1] == outputs[0] == outputs[2], "speculation changed greedy outputs"
+                outputs[name] = got
+            for name, got in outputs.items():
+                differing[name] = max(
+                    differing[name], sum(a != b for a, b in zip(got, outputs["plain"], strict=True))
+                )
+            if batch * (NGRAM["num_speculative_tokens"] + 1) <= SAME_BITS_ROWS:
+                assert not any(differing.values()), "speculation changed greedy outputs"
         drafted, accepted = proposer.num_draft_tokens - drafted, proposer.num_accepted_tokens - accepted
         result["batches"][batch] = {
             "plain_tokens_per_s": best["plain"],
@@ -102,6 +112,7 @@ def main() -> None:
             "acceptance_rate": accepted / max(drafted, 1),
             "default_tokens_per_s": best["ngram_default"],
             "default_speedup": best["ngram_default"] / best["plain"],
+            "summaries_differing": {"ngram": differing["ngram"], "ngram_default": differing["ngram_default"]},
         }
         print(batch, json.dumps(result["batches"][batch]), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -40,6 +40,9 @@ _XBLOCK = 32  # columns of x per int8 scale (XBLOCK in linear_quant.c)
 _LARGE_ROWS = 512  # the row count at which a routine for prompts (many rows) is timed
 _CANDIDATE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256)  # where a crossover is looked for
 _ALL = math.inf
+# Steps of up to this many rows give each row the bits it gets alone (see _amx_rows): the native kernels serve
+# them even where oneDNN measures faster, and take AMX only beyond.
+SAME_BITS_ROWS = 20
 
 
 @dataclass(eq=False)
@@ -306,22 +309,15 @@ def native_amx() -> bool:
     return fn is not None and bool(fn())
 
 
-@cache
 def _amx_rows() -> int:
-    """From how many rows the bf16 kernel multiplies through AMX tiles (0: never), timed once per machine.
-    Their sums round differently from vdpbf16ps's in a rare last bit, so below this count a token's logits
-    do not depend on how many others share its step; above it they may, as with oneDNN."""
-    if not native_amx():
-        return 0
+    """From how many rows the bf16 kernel multiplies through AMX tiles (0: it cannot here).
 
-    def time_it() -> _Plan:
-        weight = torch.randn(3072, 576, generator=torch.Generator().manual_seed(0)).to(BF16)
-        vector = _BF16Tiles(weight, fma_rows=_fma_rows(), amx_rows=0)
-        amx = _BF16Tiles(weight, fma_rows=_fma_rows(), amx_rows=1)
-        return _timed_plan(vector, amx, weight.shape[1], BF16, other_costs_memory=False)
-
-    rows = _remembered("bf16 amx [3072, 576]", time_it).native_rows
-    return 0 if rows == _ALL else int(rows) + 1
+    AMX is the faster from about 5 rows, but its sums round differently from vdpbf16ps's in a rare last bit
+    (and from a row count on, oneDNN's differ too), so a token's logits would depend on how many other
+    tokens share its step. Steps of up to `SAME_BITS_ROWS` rows keep vdpbf16ps's bits: then speculative
+    verification (up to four sequences of the default limit on a CPU, four proposals each, 20 rows) gives
+    the tokens plain decoding gives. AMX takes the steps of prompts."""
+    return SAME_BITS_ROWS + 1 if native_amx() else 0
 
 
 @cache
@@ -375,7 +371,8 @@ def _pack_dense(weight: torch.Tensor, keep_rows: bool, pad: bool) -> PackedLinea
     if not plan.keep_other:
         return PackedLinear(n, k, tiles, tiles, _ALL, tiles.rows, (tiles.tiles,))
     onednn = _OneDNN(weight, pad)
-    return PackedLinear(n, k, tiles, onednn, plan.native_rows, tiles.rows, (tiles.tiles, onednn.resident))
+    small_rows = max(plan.native_rows, SAME_BITS_ROWS) if native_bf16() else plan.native_rows
+    return PackedLinear(n, k, tiles, onednn, small_rows, tiles.rows, (tiles.tiles, onednn.resident))
 
 
 # -------------------------------------------------------------------------------------- quantized weights
@@ -558,4 +555,5 @@ def _pack_quantized(weight: QuantizedWeight, dtype: torch.dtype) -> PackedLinear
         return PackedLinear(n, k, fallback, fallback, _ALL, fallback.rows, fallback.resident)
     plan = _quant_plan(type(weight), n, k, weight.group_size, weight.perm is not None, dtype)
     large = tiles if plan.native_rows == _ALL else _DequantizedMatmul(tiles)
-    return PackedLinear(n, k, tiles, large, plan.native_rows, tiles.rows, tiles.resident)
+    small_rows = max(plan.native_rows, SAME_BITS_ROWS) if native_quant() else plan.native_rows
+    return PackedLinear(n, k, tiles, large, small_rows, tiles.rows, tiles.resident)

@@ -152,6 +152,30 @@ def test_dense_bf16_amx_bias_strided_rows_and_two_threads(gen, shape):
 
 @needs_native
 @needs_bf16
+def test_dense_bf16_rows_get_their_own_bits_in_steps_of_up_to_20(gen):
+    """With the routines the kernel picks by row count on this CPU (vdpbf16ps, FMAs, AMX), a row's output
+    does not depend on how many rows share its step, up to a speculative verification step of 4 sequences
+    with 4 proposals each."""
+    weight, bias = rand(gen, 576, 1536), rand(gen, 576)
+    routine = cpu_linear._BF16Tiles(weight)
+    x = rand(gen, cpu_linear.SAME_BITS_ROWS, 1536) * torch.rand(20, 1536, generator=gen).to(BF16) * 8
+    alone = torch.cat([routine(x[r : r + 1], bias) for r in range(len(x))])
+    for rows in (2, 5, 13, cpu_linear.SAME_BITS_ROWS):
+        assert torch.equal(routine(x[:rows], bias), alone[:rows]), rows
+
+
+@needs_native
+@needs_bf16
+@needs_vnni
+@pytest.mark.parametrize("shape", [*MODEL_SHAPES, LM_HEAD], ids=str)
+def test_the_native_kernels_serve_steps_of_up_to_20_rows(gen, shape):
+    """Even where oneDNN or a dequantize-then-matmul measures faster: their sums round otherwise."""
+    for weight in (rand(gen, *shape), int4_weight(*shape, 32, gen)):
+        assert cpu_linear.pack(weight, BF16).small_rows >= cpu_linear.SAME_BITS_ROWS
+
+
+@needs_native
+@needs_bf16
 @pytest.mark.parametrize("rows", [1, 5, 33])
 @pytest.mark.parametrize("amx_rows", [0, 1], ids=["vector", "amx"])
 def test_dense_bf16_lm_head(gen, rows, amx_rows):
