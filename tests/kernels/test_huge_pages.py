@@ -40,7 +40,7 @@ def test_a_copy_equal_contiguous_and_aligned(dtype):
 
 def test_small_weights_share_a_mapping_and_large_ones_get_their_own():
     first, second = on_huge_pages(torch.ones(1000)), on_huge_pages(torch.ones(1000))
-    assert 0 < second.data_ptr() - first.data_ptr() < 8192  # one after the other, a cache line apart
+    assert 0 < second.data_ptr() - first.data_ptr() < 8192  # one after the other, from a cache line boundary
     large = on_huge_pages(torch.ones(huge_pages._CHUNK // 4 + 1))
     assert large.data_ptr() % (2 << 20) == 0
     after = on_huge_pages(torch.ones(1000))

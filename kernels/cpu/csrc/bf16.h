@@ -63,6 +63,11 @@ static inline float expf_nonpositive(float x) {
 static inline __mmask16 first_lanes(int remaining) {
     return remaining >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << remaining) - 1);
 }
+
+/* 16 bf16 values as fp32, the lanes outside `lanes` zero (and not read: no fault past an array's end). */
+static inline __m512 load_bf16_ps(__mmask16 lanes, const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, p)), 16));
+}
 #endif
 
 #endif

@@ -33,7 +33,7 @@ struct bf16_weight {
     int portable; /* the plain loops even where vector code is present (tests run both paths) */
     int fma_rows; /* chunks of at least this many rows go through fp32 FMAs instead of vdpbf16ps (0: none);
                      the caller times where that pays on this CPU */
-    int amx_rows; /* steps of at least this many rows go through AMX tiles where present (0: never); timed too */
+    int amx_rows; /* steps of at least this many rows go through AMX tiles where present (0: never) */
 };
 
 static inline int chunk_rows(int m) { /* rows per chunk, as even as MAX_MR allows */
@@ -60,25 +60,29 @@ static void tile_portable(const uint16_t *x, long ldx, int mr, const uint16_t *w
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define HAVE_AVX512_BF16 1
 
+/* The lanes of a tile's first `valid` outputs, 0-15 and 16-31, and its bias there in fp32 (zero without). */
+static inline void tile_bias(const uint16_t *bias, int valid, __mmask16 lanes[2], __m512 b[2]) {
+    lanes[0] = first_lanes(valid);
+    lanes[1] = valid > 16 ? first_lanes(valid - 16) : 0;
+    for (int half = 0; half < 2; half++) b[half] = bias ? load_bf16_ps(lanes[half], bias + 16 * half) : _mm512_setzero_ps();
+}
+
+/* One row of a tile's fp32 sums, outputs 0-15 and 16-31 (+ the bias b), into its bf16 outputs. */
+static inline void store_row_avx512(__m512 sum0, __m512 sum1, const __m512 b[2], const __mmask16 lanes[2],
+                                    uint16_t *out) {
+    _mm256_mask_storeu_epi16(out, lanes[0], (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(sum0, b[0])));
+    if (lanes[1]) _mm256_mask_storeu_epi16(out + 16, lanes[1], (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(sum1, b[1])));
+}
+
 /* A tile's fp32 sums for MR rows (+ bias) into bf16 outputs: the first `valid` of its 32 columns. */
 static inline __attribute__((always_inline)) void store_tile_avx512(__m512 acc[][2], const int MR,
                                                                     const uint16_t *bias, uint16_t *out, long ldo,
                                                                     int valid) {
-    __mmask16 lo = first_lanes(valid), hi = valid > 16 ? first_lanes(valid - 16) : 0;
-    __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
-    if (bias) {
-        b0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lo, bias)), 16));
-        if (valid > 16)
-            b1 = _mm512_castsi512_ps(
-                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(hi, bias + 16)), 16));
-    }
+    __mmask16 lanes[2];
+    __m512 b[2];
+    tile_bias(bias, valid, lanes, b);
 #pragma GCC unroll 12
-    for (int m = 0; m < MR; m++) {
-        _mm256_mask_storeu_epi16(out + m * ldo, lo, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m][0], b0)));
-        if (valid > 16)
-            _mm256_mask_storeu_epi16(out + m * ldo + 16, hi,
-                                     (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m][1], b1)));
-    }
+    for (int m = 0; m < MR; m++) store_row_avx512(acc[m][0], acc[m][1], b, lanes, out + m * ldo);
 }
 
 /* One tile against MR rows of x, MR constant at each call site so the sums stay in registers. */
@@ -225,18 +229,11 @@ static void tile_amx(const uint16_t *x, long k, int rows, int valid_rows, const 
         _tile_stored(6, sums + 16 * TILE, 4 * TILE);
         _tile_stored(7, sums + 16 * TILE + 16, 4 * TILE);
     }
-    __mmask16 lo = first_lanes(valid), hi = valid > 16 ? first_lanes(valid - 16) : 0;
-    __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
-    if (bias) {
-        b0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lo, bias)), 16));
-        b1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(hi, bias + 16)), 16));
-    }
-    for (int m = 0; m < valid_rows; m++) {
-        __m512 s0 = _mm512_add_ps(_mm512_loadu_ps(sums + m * TILE), b0);
-        __m512 s1 = _mm512_add_ps(_mm512_loadu_ps(sums + m * TILE + 16), b1);
-        _mm256_mask_storeu_epi16(out + m * ldo, lo, (__m256i)_mm512_cvtneps_pbh(s0));
-        if (valid > 16) _mm256_mask_storeu_epi16(out + m * ldo + 16, hi, (__m256i)_mm512_cvtneps_pbh(s1));
-    }
+    __mmask16 lanes[2];
+    __m512 b[2];
+    tile_bias(bias, valid, lanes, b);
+    for (int m = 0; m < valid_rows; m++)
+        store_row_avx512(_mm512_load_ps(sums + m * TILE), _mm512_load_ps(sums + m * TILE + 16), b, lanes, out + m * ldo);
 }
 
 /* linear_bf16 through AMX tiles, in passes of up to AMX_ROWS rows (x copied once, zero-padded to whole

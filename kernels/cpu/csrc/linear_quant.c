@@ -280,7 +280,7 @@ static inline __attribute__((always_inline)) void qtile_avx512(const struct qwei
     __mmask16 mask = first_lanes(valid);
     __m512 b = _mm512_setzero_ps();
     if (bias && is_bf16)
-        b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias)), 16));
+        b = load_bf16_ps(mask, bias);
     else if (bias)
         b = _mm512_maskz_loadu_ps(mask, bias);
 #pragma GCC unroll 8
