@@ -15,7 +15,7 @@ from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: 
 from django.core.exceptions import SuspiciousFileOperation  # noqa: E402
 from django.http import Http404, HttpRequest, HttpResponse  # noqa: E402
 
-from llmserve.routing import SameOriginValidator, websocket_urlpatterns  # noqa: E402
+from llmserve.routing import APIRouter, SameOriginValidator, websocket_urlpatterns  # noqa: E402
 
 
 class StaticFilesHandler(ASGIStaticFilesHandler):
@@ -32,7 +32,7 @@ class StaticFilesHandler(ASGIStaticFilesHandler):
 application = ProtocolTypeRouter(
     {
         # The standalone project has no web server in front: Django serves the static files itself.
-        "http": StaticFilesHandler(django_asgi_app),
+        "http": StaticFilesHandler(APIRouter(django_asgi_app)),
         # Only our own pages may open sockets (they carry the visitor's session cookie).
         "websocket": SameOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
     }

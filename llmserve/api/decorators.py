@@ -58,6 +58,7 @@ def api_view(
                 log.exception("unhandled error in %s %s", request.method, request.path)
                 return _respond(errors.InternalError("The server failed to handle the request."), methods)
 
+        wrapper.llmserve_api = True  # `llmserve.routing.APIRouter` serves it without the host's middleware
         return csrf_exempt(wrapper)
 
     return decorate
