@@ -427,7 +427,7 @@ class _QuantTiles:
         sub = 16 if g == 16 else 32
         if group % sub or k % group:
             raise ValueError(f"groups of {g} columns are not a layout of the native quantized kernel.")
-        self.n, self.k_in = n, k_in
+        self.n, self.k, self.k_in = n, k, k_in
         tiles, groups = -(-n // _QTILE), k // group
         q = torch.zeros(tiles * _QTILE, k, dtype=torch.uint8)
         q[:n, :k_in] = weight.q if bits == 4 else weight.q.view(torch.uint8) ^ 0x80
@@ -502,18 +502,47 @@ class _QuantTiles:
 
 
 class _DequantizedMatmul:
-    """For many rows: the weight dequantized from the native tiles (C, all threads), then F.linear (oneDNN
-    or MKL). The dense weight lives for the call only. bf16 inputs multiply in bf16 where oneDNN has a fast
-    bf16 path (`prepacking_works`), else in fp32, several times faster on a CPU without AVX-512."""
+    """For many rows: what a bf16 copy of the weight would run. Where the bf16 kernel serves a weight of
+    this shape at every row count (`_dense_plan`), the C side dequantizes one tile of outputs at a time into
+    its pair tiles and runs it there, a tile's worth of memory a thread (`linear_quant_bf16`). Elsewhere the
+    weight is dequantized whole for the call (C, all threads), then F.linear (oneDNN or MKL): in bf16 where
+    oneDNN has a fast bf16 path (`prepacking_works`), else in fp32, several times faster on a CPU without
+    AVX-512."""
 
     def __init__(self, tiles: _QuantTiles) -> None:
         self.tiles = tiles
+        self.dense_kernel = native_bf16() and _dense_plan(tiles.n, tiles.k_in).native_rows == _ALL
+        self.fn = function("linear_quant_bf16", i32, ptr, ptr, i64, i32, ptr, ptr, i32)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.dtype == BF16 and self.dense_kernel:
+            return self._tiles_in_bf16(x, bias)
         if x.dtype == BF16 and not prepacking_works(BF16):
             bias = None if bias is None else bias.float()
             return F.linear(x.float(), self.tiles.rows(None, torch.float32), bias).to(BF16)
         return F.linear(x, self.tiles.rows(None, x.dtype), bias)
+
+    def _tiles_in_bf16(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        tiles = self.tiles
+        if tiles.perm is not None:  # stored column c multiplies x[perm[c]]
+            x = x.index_select(1, tiles.perm.long())
+        if x.stride(1) != 1 or tiles.k != tiles.k_in:
+            x = F.pad(x, (0, tiles.k - tiles.k_in))  # contiguous, and zero in the padded columns
+        if bias is not None:
+            bias = bias.to(BF16).contiguous()
+        out = torch.empty(x.shape[0], tiles.n, dtype=BF16)
+        status = self.fn(
+            tiles.desc_ptr,
+            x.data_ptr(),
+            x.stride(0),
+            x.shape[0],
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if status != 0:
+            raise MemoryError("no memory for the quantized linear layer's dequantized tiles.")
+        return out
 
 
 def native_quant() -> bool:

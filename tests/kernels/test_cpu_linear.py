@@ -306,6 +306,29 @@ def test_dequantized_matmul_routine(gen, rows):
     assert_matches(routine(x, bias), x, weight.dequantize(), bias)
 
 
+@needs_native
+@pytest.mark.parametrize("fmt", QUANT_FORMATS)
+@pytest.mark.parametrize("rows", [1, 33, 300])
+@pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
+def test_quantized_tiles_dequantized_to_bf16_give_the_bf16_kernels_bits(gen, fmt, rows, portable):
+    """Many rows run as a bf16 copy of the weight would, tile by tile: the same bits as the bf16 kernel on
+    the weight dequantized to bf16, where the columns are in the checkpoint's order (act-order sums them in
+    the stored order instead)."""
+    if not portable and not cpu_linear.native_bf16():
+        pytest.skip("this CPU has no AVX512-BF16")
+    torch.set_num_threads(2)
+    make, shapes = QUANT_FORMATS[fmt]
+    (n, k) = shapes[-1]
+    weight = make(n, k, gen)
+    routine = cpu_linear._DequantizedMatmul(cpu_linear._QuantTiles(weight, portable=portable))
+    x, bias = rand(gen, rows, k + 20)[:, 5 : k + 5], rand(gen, n)
+    out = routine._tiles_in_bf16(x, bias)
+    dense = weight.dequantize().to(BF16)
+    if weight.perm is None:
+        assert torch.equal(out, cpu_linear._BF16Tiles(dense, portable=portable)(x, bias))
+    assert_matches(out, x, dense, bias)
+
+
 @pytest.mark.parametrize(
     "weight",
     [

@@ -1,5 +1,6 @@
 /* Helpers shared by the CPU kernels: bf16 <-> fp32 and fp16 -> fp32 conversions (bf16 is the top half of an
- * fp32), an exp that vectorises and, with AVX-512, the lane mask of a partial last vector. */
+ * fp32), an exp that vectorises and, with AVX-512, the lane mask of a partial last vector; and the packed
+ * weight of linear_bf16.c, whose routine for one tile linear_quant.c runs on tiles it dequantizes. */
 #ifndef LLMSERVE_BF16_H
 #define LLMSERVE_BF16_H
 
@@ -9,6 +10,23 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
+
+#define TILE 32 /* output rows per tile of the packed bf16 weight */
+
+/* A packed bf16 weight (see linear_bf16.c), set up once per layer by the caller. */
+struct bf16_weight {
+    const uint16_t *tiles;
+    int n, k;     /* k even */
+    int portable; /* the plain loops even where vector code is present (tests run both paths) */
+    int fma_rows; /* chunks of at least this many rows go through fp32 FMAs instead of vdpbf16ps (0: none);
+                     the caller times where that pays on this CPU */
+    int amx_rows; /* steps of at least this many rows go through AMX tiles where present (0: never) */
+};
+
+/* Tile `tile` of w, its pairs at wt (not necessarily within w->tiles), against the m rows of x (xf: x in fp32
+ * for the FMA routine, or null): outputs tile * TILE onwards of out [m, w->n], bias [w->n] or null. */
+void linear_bf16_tile(const struct bf16_weight *w, int tile, const uint16_t *wt, const uint16_t *x, long ldx,
+                      const float *xf, int m, const uint16_t *bias, uint16_t *out);
 
 static inline float bf16_to_float(uint16_t x) {
     uint32_t bits = (uint32_t)x << 16;

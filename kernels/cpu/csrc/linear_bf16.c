@@ -20,21 +20,10 @@
 
 #include "bf16.h"
 
-#define TILE 32
 #define MAX_MR 12
 /* How far ahead of its loads each thread asks for its stream, into L2: a few pages ahead keeps more of the
  * stream in flight than the hardware prefetchers do alone, and at batch 1 that is the layer's speed. */
 #define PREFETCH_BYTES 4096
-
-/* A packed weight, set up once per layer by the caller. */
-struct bf16_weight {
-    const uint16_t *tiles;
-    int n, k;     /* k even */
-    int portable; /* the plain loops even where vector code is present (tests run both paths) */
-    int fma_rows; /* chunks of at least this many rows go through fp32 FMAs instead of vdpbf16ps (0: none);
-                     the caller times where that pays on this CPU */
-    int amx_rows; /* steps of at least this many rows go through AMX tiles where present (0: never) */
-};
 
 static inline int chunk_rows(int m) { /* rows per chunk, as even as MAX_MR allows */
     int chunks = (m + MAX_MR - 1) / MAX_MR;
@@ -363,8 +352,8 @@ void linear_bf16(const struct bf16_weight *w, const uint16_t *x, long ldx, int m
         linear_bf16_amx(w, x, ldx, m, bias, out, num_threads) == 0)
         return;
 #endif
-    int tiles = (w->n + TILE - 1) / TILE, pairs = w->k / 2, mr = chunk_rows(m);
-    long tile_elems = (long)pairs * 2 * TILE;
+    int tiles = (w->n + TILE - 1) / TILE, mr = chunk_rows(m);
+    long tile_elems = (long)w->k * TILE;
     float *xf = 0; /* x in fp32, for the FMA routine */
 #ifdef HAVE_AVX512_BF16
     if (!w->portable && w->fma_rows && mr >= w->fma_rows && (xf = malloc(sizeof(float) * m * w->k)))
@@ -374,28 +363,32 @@ void linear_bf16(const struct bf16_weight *w, const uint16_t *x, long ldx, int m
 #pragma omp parallel num_threads(tiles < num_threads ? tiles : num_threads)
     {
         int t = omp_get_thread_num(), threads = omp_get_num_threads();
-        for (int tile = tiles * t / threads; tile < tiles * (t + 1) / threads; tile++) {
-            const uint16_t *wt = w->tiles + tile * tile_elems, *b = bias ? bias + tile * TILE : 0;
-            int valid = w->n - tile * TILE < TILE ? w->n - tile * TILE : TILE;
-            for (int r = 0; r < m; r += mr) {
-                int rows = m - r < mr ? m - r : mr;
-                const uint16_t *xr = x + r * ldx;
-                uint16_t *o = out + (long)r * w->n + tile * TILE;
-#ifdef HAVE_AVX512_BF16
-                if (!w->portable) {
-                    const float *xfr = xf && rows >= w->fma_rows ? xf + (long)r * w->k : 0;
-                    tile_rows_avx512(xr, ldx, xfr, w->k, rows, wt, pairs, b, o, w->n, valid);
-                    continue;
-                }
-#elif defined(HAVE_AVX2_FMA)
-                if (!w->portable) {
-                    tile_rows_avx2(xr, ldx, rows, wt, pairs, b, o, w->n, valid);
-                    continue;
-                }
-#endif
-                tile_portable(xr, ldx, rows, wt, pairs, b, o, w->n, valid);
-            }
-        }
+        for (int tile = tiles * t / threads; tile < tiles * (t + 1) / threads; tile++)
+            linear_bf16_tile(w, tile, w->tiles + tile * tile_elems, x, ldx, xf, m, bias, out);
     }
     free(xf);
+}
+
+void linear_bf16_tile(const struct bf16_weight *w, int tile, const uint16_t *wt, const uint16_t *x, long ldx,
+                      const float *xf, int m, const uint16_t *bias, uint16_t *out) {
+    int pairs = w->k / 2, mr = chunk_rows(m), valid = w->n - tile * TILE < TILE ? w->n - tile * TILE : TILE;
+    const uint16_t *b = bias ? bias + tile * TILE : 0;
+    for (int r = 0; r < m; r += mr) {
+        int rows = m - r < mr ? m - r : mr;
+        const uint16_t *xr = x + r * ldx;
+        uint16_t *o = out + (long)r * w->n + tile * TILE;
+#ifdef HAVE_AVX512_BF16
+        if (!w->portable) {
+            const float *xfr = xf && rows >= w->fma_rows ? xf + (long)r * w->k : 0;
+            tile_rows_avx512(xr, ldx, xfr, w->k, rows, wt, pairs, b, o, w->n, valid);
+            continue;
+        }
+#elif defined(HAVE_AVX2_FMA)
+        if (!w->portable) {
+            tile_rows_avx2(xr, ldx, rows, wt, pairs, b, o, w->n, valid);
+            continue;
+        }
+#endif
+        tile_portable(xr, ldx, rows, wt, pairs, b, o, w->n, valid);
+    }
 }

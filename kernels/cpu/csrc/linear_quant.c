@@ -532,3 +532,106 @@ void quant_rows(const struct qweight *w, const int64_t *ids, int count, int is_b
         }
     }
 }
+
+/* Columns c and c + 1 of one quantized tile (16 outputs) into bf16 pair tile slots dst[2j + t], t = 0, 1. The
+ * values are quant_rows's, rounded to bf16 as a dense bf16 copy of the weight holds them. */
+static void pair_portable(const struct qweight *w, const uint8_t *group, int c, uint16_t *dst) {
+    long weight_bytes = (long)w->group * w->bits / 8 * QTILE;
+    int values = QTILE * (w->half ? 2 : 4);
+    for (int j = 0; j < QTILE; j++) {
+        float d = load_value(group + weight_bytes, j, w->half);
+        float m = w->bits != 4 ? 0.f : w->symmetric ? -8.f * d : load_value(group + weight_bytes + values, j, w->half);
+        for (int t = 0; t < 2; t++) {
+            int col = c + t;
+            float v;
+            if (w->bits == 4) {
+                uint8_t byte = group[64 * (col / 8) + 4 * j + col % 4];
+                v = (float)(col % 8 < 4 ? byte & 15 : byte >> 4) * d + m;
+            } else {
+                v = (float)(int8_t)(group[64 * (col / 4) + 4 * j + col % 4] ^ 0x80) * d;
+            }
+            dst[2 * j + t] = float_to_bf16(v);
+        }
+    }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+/* pair_portable for a whole unit at once: 16 outputs by 8 (int4) or 4 (int8) columns, 4 or 2 pairs. */
+static void unit_avx512(const struct qweight *w, const uint8_t *unit, __m512 d, __m512 m, uint16_t *dst) {
+    __m512i v = _mm512_loadu_si512(unit), byte = _mm512_set1_epi32(0xff);
+    __m512i nibbles[2] = {_mm512_and_si512(v, _mm512_set1_epi8(15)),
+                          _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15))};
+    int pairs = w->bits == 4 ? 4 : 2;
+    for (int p = 0; p < pairs; p++) {
+        __m512 f[2];
+        for (int t = 0; t < 2; t++) {
+            int col = 2 * p + t; /* int4: bytes 0-3 hold columns 0-3 (low nibble) and 4-7 (high) */
+            __m512i q = w->bits == 4 ? nibbles[col / 4] : v;
+            q = _mm512_and_si512(_mm512_srli_epi32(q, 8 * (col % 4)), byte);
+            if (w->bits == 8) q = _mm512_sub_epi32(q, _mm512_set1_epi32(128));
+            f[t] = _mm512_mul_ps(_mm512_cvtepi32_ps(q), d);
+            if (w->bits == 4) f[t] = _mm512_add_ps(f[t], m);
+        }
+        __m512i even = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(f[0]));
+        __m512i odd = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(f[1]));
+        _mm512_storeu_si512(dst + 2 * TILE * p, _mm512_or_si512(even, _mm512_slli_epi32(odd, 16)));
+    }
+}
+#endif
+
+/* Quantized tile qt (16 outputs) into half h of a bf16 pair tile of the padded k columns. */
+static void dequantize_tile(const struct qweight *w, int qt, int h, uint16_t *pairs) {
+    int groups = w->k / w->group, values = QTILE * (w->half ? 2 : 4);
+    long gbytes = group_bytes(w), weight_bytes = (long)w->group * w->bits / 8 * QTILE;
+    int cols = w->bits == 4 ? 8 : 4; /* columns per 64-byte unit */
+    for (int g = 0; g < groups; g++) {
+        const uint8_t *group = w->packed + (qt * (long)groups + g) * gbytes;
+        uint16_t *dst = pairs + (long)g * w->group / 2 * 2 * TILE + 2 * QTILE * h;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+        if (!w->portable) {
+            __m512 d = w->half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(group + weight_bytes)))
+                               : _mm512_loadu_ps(group + weight_bytes);
+            __m512 m = _mm512_setzero_ps();
+            if (w->bits == 4 && w->symmetric)
+                m = _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
+            else if (w->bits == 4)
+                m = w->half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(group + weight_bytes + values)))
+                            : _mm512_loadu_ps(group + weight_bytes + values);
+            for (int u = 0; u < w->group / cols; u++) unit_avx512(w, group + 64 * u, d, m, dst + u * cols / 2 * 2 * TILE);
+            continue;
+        }
+#endif
+        (void)values;
+        for (int c = 0; c < w->group; c += 2) pair_portable(w, group, c, dst + c / 2 * 2 * TILE);
+    }
+}
+
+/* Many rows against a quantized weight at the speed of the dense bf16 kernel, and with its bits: each thread
+ * dequantizes one tile of 32 outputs at a time into bf16 pair tiles in a buffer of its own, which stays in
+ * its cache while the bf16 kernel's routine runs every row against it. No dense copy of the weight is kept
+ * or made. x bf16 [m, k] (the padded columns zero, columns in stored order) with row stride ldx; out bf16
+ * [m, n]; bias bf16 [n] or null. Returns 0, or -1 where a buffer could not be had. */
+int linear_quant_bf16(const struct qweight *w, const uint16_t *x, long ldx, int m, const uint16_t *bias,
+                      uint16_t *out, int num_threads) {
+    int tiles = (w->n + TILE - 1) / TILE, qtiles = (w->n + QTILE - 1) / QTILE, failed = 0;
+    struct bf16_weight dense = {0, w->n, w->k, w->portable, 0, 0};
+    size_t bytes = sizeof(uint16_t) * w->k * TILE;
+    if (tiles < num_threads) num_threads = tiles;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        int t = omp_get_thread_num(), threads = omp_get_num_threads();
+        uint16_t *pairs = aligned_alloc(64, bytes);
+        if (!pairs) failed = 1;
+        for (int tile = tiles * t / threads; pairs && tile < tiles * (t + 1) / threads; tile++) {
+            for (int h = 0; h < 2; h++) {
+                if (2 * tile + h < qtiles)
+                    dequantize_tile(w, 2 * tile + h, h, pairs);
+                else
+                    for (long p = 0; p < w->k / 2; p++) memset(pairs + p * 2 * TILE + 2 * QTILE * h, 0, 4 * QTILE);
+            }
+            linear_bf16_tile(&dense, tile, pairs, x, ldx, 0, m, bias, out);
+        }
+        free(pairs);
+    }
+    return failed ? -1 : 0;
+}
