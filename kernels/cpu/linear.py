@@ -4,8 +4,8 @@ A linear layer at small batch is bound by reading its weight from memory, so eac
 into the layout a native kernel streams best (`csrc/linear_bf16.c` for dense bf16, `csrc/linear_quant.c`
 for `kernels.quantized` weights, kept quantized), in memory backed by huge pages (`huge_pages`). Which
 routine serves which number of rows is measured once per weight shape when the weight is packed (native
-kernel, oneDNN's prepacked bf16 linear, or a dequantize-then-oneDNN matmul) and fixed then: `linear` only
-compares the row count with a number. The same packed layout serves embedding lookups of a tied weight, so
+kernel, oneDNN's prepacked bf16 linear, or for a quantized weight what a bf16 copy of it would run) and
+fixed then: `linear` only compares the row count with a number. The same packed layout serves embedding lookups of a tied weight, so
 no second plain copy is kept.
 
 With LLMSERVE_CPU_KERNELS=0 or without a compiler, dense bf16 weights run through oneDNN's prepacked
