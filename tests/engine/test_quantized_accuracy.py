@@ -112,10 +112,11 @@ def bundled_pair() -> tuple[LLM, LLM]:
 
 
 def test_bundled_q4_1_in_bf16_departs_only_at_near_ties(bundled_pair):
-    """In bf16 the two engines round activations after different sums (the quantized kernel multiplies the
-    exact dequantized weights, the dense one weights rounded to bf16), so greedy decoding may take the other
-    of two tokens whose logits lie within a step or two of bf16 (0.125 at the magnitudes of top logits).
-    Where a prompt's tokens first differ, the dense engine's top two must be that close."""
+    """In bf16 the two engines' decode steps round activations after different sums (the quantized kernel
+    multiplies the exact dequantized weights, the dense one weights rounded to bf16; prompts run alike where
+    the bf16 kernel serves every row count), so greedy decoding may take the other of two tokens whose logits
+    lie within a step or two of bf16 (0.125 at the magnitudes of top logits). Where a prompt's tokens first
+    differ, the dense engine's top two must be that close."""
     quantized, dense = bundled_pair
     params = greedy(logprobs=2)
     ours = quantized.generate(PROMPTS, params, use_tqdm=False)
