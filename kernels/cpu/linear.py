@@ -5,8 +5,8 @@ into the layout a native kernel streams best (`csrc/linear_bf16.c` for dense bf1
 for `kernels.quantized` weights, kept quantized), in memory backed by huge pages (`huge_pages`). Which
 routine serves which number of rows is measured once per weight shape when the weight is packed (native
 kernel, oneDNN's prepacked bf16 linear, or for a quantized weight what a bf16 copy of it would run) and
-fixed then: `linear` only compares the row count with a number. The same packed layout serves embedding lookups of a tied weight, so
-no second plain copy is kept.
+fixed then: `linear` only compares the row count with a number. The same packed layout serves embedding
+lookups of a tied weight, so no second plain copy is kept.
 
 With LLMSERVE_CPU_KERNELS=0 or without a compiler, dense bf16 weights run through oneDNN's prepacked
 linear and quantized weights are dequantized on every call.
