@@ -18,6 +18,7 @@ from channels.security.websocket import WebsocketDenier
 from django.conf import settings
 from django.core.handlers.asgi import ASGIHandler
 from django.core.handlers.exception import convert_exception_to_response
+from django.http import HttpRequest, HttpResponse
 from django.http.request import split_domain_port, validate_host
 from django.urls import Resolver404, path, resolve
 
@@ -56,11 +57,20 @@ class APIRouter:
 
 
 class _APIHandler(ASGIHandler):
-    """Django's ASGI handler with an empty middleware chain, whatever ``settings.MIDDLEWARE`` holds."""
+    """Django's ASGI handler without ``settings.MIDDLEWARE``, keeping the two of its checks that concern an
+    API: a Host outside ``ALLOWED_HOSTS`` is refused (400, the host's ``handler400``), as CommonMiddleware
+    refuses it, and responses carry ``X-Content-Type-Options: nosniff`` as SecurityMiddleware sets it."""
 
     def load_middleware(self, is_async: bool = False) -> None:
+        async def checked(request: HttpRequest) -> HttpResponse:
+            request.get_host()  # raises DisallowedHost
+            response = await self._get_response_async(request)
+            if settings.SECURE_CONTENT_TYPE_NOSNIFF:
+                response.headers.setdefault("X-Content-Type-Options", "nosniff")
+            return response
+
         self._view_middleware, self._template_response_middleware, self._exception_middleware = [], [], []
-        self._middleware_chain = convert_exception_to_response(self._get_response_async)
+        self._middleware_chain = convert_exception_to_response(checked)
 
 
 def _serves_api(path_info: str) -> bool:

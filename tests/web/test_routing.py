@@ -41,6 +41,7 @@ def test_api_requests_skip_the_host_middleware_and_pages_do_not(stack) -> None:
     # XFrameOptionsMiddleware marks every response that passes through the host's middleware.
     status, headers, body = _get(f"{stack.base_url}/v1/models", stack.api_key)
     assert status == 200 and "X-Frame-Options" not in headers
+    assert headers["X-Content-Type-Options"] == "nosniff"
     assert json.loads(body)["object"] == "list"
     status, headers, body = _get(f"{stack.base_url}/v1/unknown/endpoint", stack.api_key)
     assert status == 404 and json.loads(body)["error"]["code"] == "unknown_url"
