@@ -466,20 +466,16 @@ class _QuantTiles:
             )
         if x.stride(1) != 1:
             x = x.contiguous()
+        return self.run(self.fn, x, bias, x.dtype == BF16)
+
+    def run(self, fn: Callable, x: torch.Tensor, bias: torch.Tensor | None, *flags: int) -> torch.Tensor:
+        """out [rows, n] in x's dtype from the C routine `fn` (this weight, x's rows, `flags`, bias, out)."""
         if bias is not None:
             bias = bias.to(x.dtype).contiguous()
         out = torch.empty(x.shape[0], self.n, dtype=x.dtype)
-        status = self.fn(
-            self.desc_ptr,
-            x.data_ptr(),
-            x.stride(0),
-            x.shape[0],
-            x.dtype == BF16,
-            None if bias is None else bias.data_ptr(),
-            out.data_ptr(),
-            torch.get_num_threads(),
-        )
-        if status != 0:
+        bias_ptr = None if bias is None else bias.data_ptr()
+        args = (self.desc_ptr, x.data_ptr(), x.stride(0), x.shape[0], *flags, bias_ptr, out.data_ptr())
+        if fn(*args, torch.get_num_threads()) != 0:
             raise MemoryError("no memory for the quantized linear layer's scratch buffers.")
         return out
 
@@ -528,21 +524,7 @@ class _DequantizedMatmul:
             x = x.index_select(1, tiles.perm.long())
         if x.stride(1) != 1 or tiles.k != tiles.k_in:
             x = F.pad(x, (0, tiles.k - tiles.k_in))  # contiguous, and zero in the padded columns
-        if bias is not None:
-            bias = bias.to(BF16).contiguous()
-        out = torch.empty(x.shape[0], tiles.n, dtype=BF16)
-        status = self.fn(
-            tiles.desc_ptr,
-            x.data_ptr(),
-            x.stride(0),
-            x.shape[0],
-            None if bias is None else bias.data_ptr(),
-            out.data_ptr(),
-            torch.get_num_threads(),
-        )
-        if status != 0:
-            raise MemoryError("no memory for the quantized linear layer's dequantized tiles.")
-        return out
+        return tiles.run(self.fn, x, bias)
 
 
 def native_quant() -> bool:

@@ -57,9 +57,12 @@ struct qx {
 
 #define X16_MAX (127 * 256 + 127) /* the largest |x16| whose hi byte is at most 127 */
 
+/* Bytes of a tile's group: its weights, then its 16 scales, then (int4, not symmetric) its 16 offsets. */
+static long group_weight_bytes(const struct qweight *w) { return (long)w->group * w->bits / 8 * QTILE; }
+static int group_value_bytes(const struct qweight *w) { return QTILE * (w->half ? 2 : 4); }
+
 static long group_bytes(const struct qweight *w) {
-    long weights = (long)w->group * w->bits / 8 * QTILE, values = QTILE * (w->half ? 2 : 4);
-    return weights + values * (w->bits == 4 && !w->symmetric ? 2 : 1);
+    return group_weight_bytes(w) + group_value_bytes(w) * (w->bits == 4 && !w->symmetric ? 2 : 1);
 }
 
 static inline float load_value(const uint8_t *p, int j, int half) {
@@ -72,6 +75,13 @@ static inline float load_value(const uint8_t *p, int j, int half) {
     memcpy(&f, p + 4 * j, 4);
     return f;
 }
+
+#if defined(__AVX512F__)
+/* A tile's 16 scales or offsets (fp16 or fp32) in lanes. */
+static inline __m512 load_values16(const uint8_t *p, const int HALF) {
+    return HALF ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)) : _mm512_loadu_ps(p);
+}
+#endif
 
 /* Column c of x's row as fp32 (zero past k_in), through the act-order where given. */
 static inline float x_at(const struct qweight *w, const void *x, int is_bf16, int c) {
@@ -171,7 +181,7 @@ static inline void store_row(void *out, long at, const float *y, const void *bia
 static void qtile_portable(const struct qweight *w, const uint8_t *tile, const struct qx *x, int m0, int mr,
                            const void *bias, int is_bf16, void *out, int valid) {
     int groups = w->k / w->group, xblocks = w->k / XBLOCK, vec_cols = w->bits == 4 ? 8 : 4;
-    int values = QTILE * (w->half ? 2 : 4);
+    int values = group_value_bytes(w);
     for (int m = m0; m < m0 + mr; m++) {
         float y[QTILE] = {0};
         const uint8_t *p = tile;
@@ -207,10 +217,6 @@ static void qtile_portable(const struct qweight *w, const uint8_t *tile, const s
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define HAVE_AVX512_VNNI 1
-
-static inline __m512 load_values16(const uint8_t *p, const int HALF) {
-    return HALF ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)) : _mm512_loadu_ps(p);
-}
 
 /* One tile against MR rows of x, all of MR, BITS, SUB and HALF constant at each call site (the sums stay
  * in registers). */
@@ -496,33 +502,38 @@ int linear_quant(const struct qweight *w, const void *x, long ldx, int m, int is
     return 0;
 }
 
-/* Rows ids[0..count) (ids null: rows 0..count) of the weight dequantized as the reference does it (q * d
- * + m, each step rounded to fp32 as PyTorch computes it), columns in stored order, into out [count, k_in]
- * bf16 or fp32: embedding lookups of a tied weight, and whole weights for a dense matmul of many rows. */
+/* Row j (of 16) of one group of a tile dequantized as the reference does it (q * d + m, each step rounded
+ * to fp32 as PyTorch computes it) into v [group], columns in stored order. */
+static void group_row(const struct qweight *w, const uint8_t *group, int j, float *v) {
+    long weight_bytes = group_weight_bytes(w);
+    float d = load_value(group + weight_bytes, j, w->half);
+    float m = w->bits != 4 ? 0.f : w->symmetric ? -8.f * d : load_value(group + weight_bytes + group_value_bytes(w), j, w->half);
+    for (int u = 0; u < w->group / (w->bits == 4 ? 8 : 4); u++) {
+        const uint8_t *b = group + 64 * u + 4 * j;
+        for (int i = 0; i < 4; i++) {
+            if (w->bits == 4) {
+                v[8 * u + i] = (float)(b[i] & 15) * d + m;
+                v[8 * u + 4 + i] = (float)(b[i] >> 4) * d + m;
+            } else {
+                v[4 * u + i] = (float)(int8_t)(b[i] ^ 0x80) * d;
+            }
+        }
+    }
+}
+
+/* Rows ids[0..count) (ids null: rows 0..count) of the weight dequantized by group_row, columns in stored
+ * order, into out [count, k_in] bf16 or fp32: embedding lookups of a tied weight, and whole weights for a
+ * dense matmul of many rows. */
 void quant_rows(const struct qweight *w, const int64_t *ids, int count, int is_bf16, void *out, int num_threads) {
-    long gbytes = group_bytes(w), weight_bytes = (long)w->group * w->bits / 8 * QTILE;
-    int groups = w->k / w->group, values = QTILE * (w->half ? 2 : 4);
+    long gbytes = group_bytes(w);
+    int groups = w->k / w->group;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (count > 16)
     for (int r = 0; r < count; r++) {
         long row = ids ? ids[r] : r;
-        int j = (int)(row % QTILE);
         const uint8_t *tile = w->packed + row / QTILE * groups * gbytes;
         float v[w->group]; /* one group of the row, in stored column order */
         for (int g = 0; g < groups; g++) {
-            const uint8_t *p = tile + g * gbytes;
-            float d = load_value(p + weight_bytes, j, w->half);
-            float m = w->bits != 4 ? 0.f : w->symmetric ? -8.f * d : load_value(p + weight_bytes + values, j, w->half);
-            for (int u = 0; u < w->group / (w->bits == 4 ? 8 : 4); u++) {
-                const uint8_t *b = p + 64 * u + 4 * j;
-                for (int i = 0; i < 4; i++) {
-                    if (w->bits == 4) {
-                        v[8 * u + i] = (float)(b[i] & 15) * d + m;
-                        v[8 * u + 4 + i] = (float)(b[i] >> 4) * d + m;
-                    } else {
-                        v[4 * u + i] = (float)(int8_t)(b[i] ^ 0x80) * d;
-                    }
-                }
-            }
+            group_row(w, tile + g * gbytes, (int)(row % QTILE), v);
             int cols = w->k_in - g * w->group < w->group ? w->k_in - g * w->group : w->group;
             long at = (long)r * w->k_in + (long)g * w->group;
             if (is_bf16)
@@ -533,30 +544,10 @@ void quant_rows(const struct qweight *w, const int64_t *ids, int count, int is_b
     }
 }
 
-/* Columns c and c + 1 of one quantized tile (16 outputs) into bf16 pair tile slots dst[2j + t], t = 0, 1. The
- * values are quant_rows's, rounded to bf16 as a dense bf16 copy of the weight holds them. */
-static void pair_portable(const struct qweight *w, const uint8_t *group, int c, uint16_t *dst) {
-    long weight_bytes = (long)w->group * w->bits / 8 * QTILE;
-    int values = QTILE * (w->half ? 2 : 4);
-    for (int j = 0; j < QTILE; j++) {
-        float d = load_value(group + weight_bytes, j, w->half);
-        float m = w->bits != 4 ? 0.f : w->symmetric ? -8.f * d : load_value(group + weight_bytes + values, j, w->half);
-        for (int t = 0; t < 2; t++) {
-            int col = c + t;
-            float v;
-            if (w->bits == 4) {
-                uint8_t byte = group[64 * (col / 8) + 4 * j + col % 4];
-                v = (float)(col % 8 < 4 ? byte & 15 : byte >> 4) * d + m;
-            } else {
-                v = (float)(int8_t)(group[64 * (col / 4) + 4 * j + col % 4] ^ 0x80) * d;
-            }
-            dst[2 * j + t] = float_to_bf16(v);
-        }
-    }
-}
-
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-/* pair_portable for a whole unit at once: 16 outputs by 8 (int4) or 4 (int8) columns, 4 or 2 pairs. */
+/* One 64-byte unit of a group, 16 outputs by 8 (int4) or 4 (int8) columns, into 4 or 2 pairs of a bf16 pair
+ * tile (dst[2 * TILE * pair + 2 * output + t]): group_row's values rounded to bf16, with d and m its row's
+ * scales and offsets in lanes. */
 static void unit_avx512(const struct qweight *w, const uint8_t *unit, __m512 d, __m512 m, uint16_t *dst) {
     __m512i v = _mm512_loadu_si512(unit), byte = _mm512_set1_epi32(0xff);
     __m512i nibbles[2] = {_mm512_and_si512(v, _mm512_set1_epi8(15)),
@@ -581,28 +572,27 @@ static void unit_avx512(const struct qweight *w, const uint8_t *unit, __m512 d, 
 
 /* Quantized tile qt (16 outputs) into half h of a bf16 pair tile of the padded k columns. */
 static void dequantize_tile(const struct qweight *w, int qt, int h, uint16_t *pairs) {
-    int groups = w->k / w->group, values = QTILE * (w->half ? 2 : 4);
-    long gbytes = group_bytes(w), weight_bytes = (long)w->group * w->bits / 8 * QTILE;
-    int cols = w->bits == 4 ? 8 : 4; /* columns per 64-byte unit */
+    int groups = w->k / w->group;
+    long gbytes = group_bytes(w);
     for (int g = 0; g < groups; g++) {
         const uint8_t *group = w->packed + (qt * (long)groups + g) * gbytes;
         uint16_t *dst = pairs + (long)g * w->group / 2 * 2 * TILE + 2 * QTILE * h;
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
         if (!w->portable) {
-            __m512 d = w->half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(group + weight_bytes)))
-                               : _mm512_loadu_ps(group + weight_bytes);
-            __m512 m = _mm512_setzero_ps();
-            if (w->bits == 4 && w->symmetric)
-                m = _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
-            else if (w->bits == 4)
-                m = w->half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(group + weight_bytes + values)))
-                            : _mm512_loadu_ps(group + weight_bytes + values);
+            long weight_bytes = group_weight_bytes(w), values = group_value_bytes(w);
+            int cols = w->bits == 4 ? 8 : 4; /* columns per unit */
+            __m512 d = load_values16(group + weight_bytes, w->half), m = _mm512_setzero_ps();
+            if (w->bits == 4)
+                m = w->symmetric ? _mm512_mul_ps(d, _mm512_set1_ps(-8.f)) : load_values16(group + weight_bytes + values, w->half);
             for (int u = 0; u < w->group / cols; u++) unit_avx512(w, group + 64 * u, d, m, dst + u * cols / 2 * 2 * TILE);
             continue;
         }
 #endif
-        (void)values;
-        for (int c = 0; c < w->group; c += 2) pair_portable(w, group, c, dst + c / 2 * 2 * TILE);
+        float v[w->group];
+        for (int j = 0; j < QTILE; j++) {
+            group_row(w, group, j, v);
+            for (int c = 0; c < w->group; c++) dst[c / 2 * 2 * TILE + 2 * j + c % 2] = float_to_bf16(v[c]);
+        }
     }
 }
 
