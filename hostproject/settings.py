@@ -132,23 +132,6 @@ LLMSERVE = {
     "OPEN_ACCESS": os.environ.get("LLMSERVE_OPEN_ACCESS", "") == "1",
 }
 
-# Rate-limit counters live in the cache: Redis (the bus's), so that every web process counts against one
-# limit. Local memory only without a Redis URL (in-process tests).
-if REDIS_URL:
-    CACHES = {
-        "default": {
-            "BACKEND": "django.core.cache.backends.redis.RedisCache",
-            "LOCATION": REDIS_URL,
-            "KEY_PREFIX": "llmserve-cache",
-            # The rate limiter fails open, so it must fail fast: without timeouts, a cache call to a Redis
-            # that does not answer waits as long as the kernel's TCP retries (minutes), and with it the
-            # request and every other cache call of its web worker.
-            "OPTIONS": {"socket_connect_timeout": 1.0, "socket_timeout": 1.0},
-        }
-    }
-else:
-    CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
-
 CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
 
 CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL") or REDIS_URL or "redis://127.0.0.1:6379/0"

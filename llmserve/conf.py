@@ -11,9 +11,8 @@ Keys (all optional; defaults in `DEFAULTS`):
 ``BUS_PREFIX``           Namespace of the bus's Redis keys; must match the engines' ``--prefix``.
 ``OPEN_ACCESS``          ``True`` serves the API without API keys. Default ``False``: every API call needs
                          a key.
-``DEFAULT_RATE_LIMIT``   Requests per minute per API key when the key sets none; ``0`` = unlimited.
-``RATE_LIMIT_CACHE``     Alias of the Django cache holding rate-limit counters (use a shared cache, e.g.
-                         Redis, when several web processes serve the API).
+``DEFAULT_RATE_LIMIT``   Requests per minute per API key when the key sets none; ``0`` = unlimited. Counted in
+                         the bus's Redis, so every web and worker process shares one limit.
 ``MAX_BODY_BYTES``       Largest accepted request body (413 beyond it).
 ``MAX_PROMPT_CHARS``     Largest prompt (or sum of message contents) in characters (400 beyond it); the engine
                          separately refuses prompts longer than the model's context.
@@ -59,7 +58,6 @@ DEFAULTS: dict[str, Any] = {
     "BUS_PREFIX": "llmserve",
     "OPEN_ACCESS": False,
     "DEFAULT_RATE_LIMIT": 600,
-    "RATE_LIMIT_CACHE": "default",
     "MAX_BODY_BYTES": 2 * 2**20,  # under Django's DATA_UPLOAD_MAX_MEMORY_SIZE (2.5 MiB)
     "MAX_PROMPT_CHARS": 256 * 1024,
     "MAX_TOKENS_DEFAULT": None,

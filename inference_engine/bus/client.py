@@ -217,6 +217,12 @@ class _Core:
         stream keeps one entry and expires soon after its client's last wake-up."""
         yield [_cmd("xadd", stream, {"w": "1"}, maxlen=1), _cmd("expire", stream, 60)]
 
+    def count(self, name: str, ttl: int) -> Op[int]:
+        """Add one to a counter that expires `ttl` seconds after its last count; the new value."""
+        key = self.keys.counter(name)
+        count, _ = yield [_cmd("incr", key), _cmd("expire", key, ttl)]
+        return count
+
     def request_known(self, request_id: str, started: bool) -> Op[bool]:
         """Whether Redis still holds the request (its id key, and its output stream once it has one); both
         vanish when Redis restarts without persistence, which the engine cannot tell the client about."""
@@ -870,6 +876,10 @@ class AsyncEngineClient:
 
     async def request_known(self, request_id: str, started: bool) -> bool:
         return await self._run(self._core.request_known(request_id, started))
+
+    async def count(self, name: str, ttl: int) -> int:
+        """See `_Core.count`: one round trip."""
+        return await self._run(self._core.count(name, ttl))
 
     async def live_replicas(self, model: str) -> list[str]:
         return await self._run(self._core.live_replicas(model))

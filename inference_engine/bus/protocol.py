@@ -158,6 +158,10 @@ class Keys:
     def supervisor(self, supervisor: str) -> str:
         return f"{self.prefix}:supervisor:{supervisor}"
 
+    def counter(self, name: str) -> str:
+        """A counter of the app's (`AsyncEngineClient.count`): the web processes' shared rate limits."""
+        return f"{self.prefix}:count:{name}"
+
 
 # ---------------------------------------------------------------------------------------------- messages
 # One class per entry type; `type` is the wire tag. Fields left None are not sent.
