@@ -83,7 +83,7 @@ void rms_norm_bf16(const uint16_t *x, const uint16_t *weight, uint16_t *out, int
  * product, as PyTorch rounds F.silu(gate).mul_(up). x * sigmoid(x) with exp(-|x|) <= 1, so the loop
  * vectorises (libm's expf does not: the scalar loop was 10-20x PyTorch's SiLU); within a bf16 ulp of it. */
 void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int rows, int width, int num_threads) {
-#pragma omp parallel for if ((long)rows * width >= (1L << 16)) num_threads(num_threads)
+#pragma omp parallel for if ((long)rows * width >= (1L << 13)) num_threads(num_threads)
     for (int r = 0; r < rows; r++) {
         const uint16_t *g = gate_up + (long)r * 2 * width, *u = g + width;
         uint16_t *o = out + (long)r * width;
