@@ -32,11 +32,11 @@ from inference_engine.model_loader import default_model_path
 
 BATCHES = (1, 2, 4, 8)
 TOKENS = 128
-_SENTENCE = "The committee reviewed the proposal and asked for a revised budget before the next meeting. "
+SENTENCE = "The committee reviewed the proposal and asked for a revised budget before the next meeting. "
 
 
 def prompt_of(tokens: int, tokenizer) -> str:
-    text = _SENTENCE * (tokens // 10 + 1)
+    text = SENTENCE * (tokens // 10 + 1)
     return tokenizer.decode(tokenizer.encode(text)[:tokens])
 
 
@@ -44,7 +44,7 @@ def prompt_of(tokens: int, tokenizer) -> str:
 
 
 def engine_tpot(llm: LLM, batch: int) -> float:
-    prompts = [f"{i}. " + _SENTENCE for i in range(batch)]
+    prompts = [f"{i}. " + SENTENCE for i in range(batch)]
     outputs = llm.generate(
         prompts, SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True), use_tqdm=False
     )
@@ -83,7 +83,7 @@ def http_ttft(url: str, body: dict, headers: dict) -> float:
 def llamacpp_tpot(server, batch: int) -> float:
     from concurrent.futures import ThreadPoolExecutor
 
-    prompts = [f"{i}. " + _SENTENCE for i in range(batch)]
+    prompts = [f"{i}. " + SENTENCE for i in range(batch)]
     with ThreadPoolExecutor(batch) as pool:
         answers = list(pool.map(lambda p: server.complete(p, TOKENS), prompts))
     return statistics.mean(a["timings"]["predicted_per_token_ms"] / 1000 for a in answers)
