@@ -34,7 +34,7 @@ import gguf
 import redis
 
 from benchmarks.gguf_files import rewritten
-from benchmarks.latency import SENTENCE
+from benchmarks.latency import SENTENCE, json_request, streamed_first_token
 from inference_engine.engine_loop import on_a_thread_that_ends
 from tests.web.stack import Stack
 
@@ -64,35 +64,9 @@ class CommandLog:
         self._monitor.connection.disconnect()
 
 
-def json_request(url: str, body: dict, headers: dict) -> urllib.request.Request:
-    headers = {"Content-Type": "application/json", **headers}
-    return urllib.request.Request(url, json.dumps(body).encode(), headers)
-
-
 def post(url: str, body: dict, headers: dict) -> dict:
-    request = urllib.request.Request(
-        url, json.dumps(body).encode(), {"Content-Type": "application/json", **headers}
-    )
-    with urllib.request.urlopen(request, timeout=60) as reply:
+    with urllib.request.urlopen(json_request(url, body, headers), timeout=60) as reply:
         return json.load(reply)
-
-
-def streamed_first_token(url: str, body: dict, headers: dict) -> tuple[float, float]:
-    """(wall-clock send time, wall-clock time of the first token's bytes) of one streamed completion."""
-    request = urllib.request.Request(
-        url, json.dumps(body).encode(), {"Content-Type": "application/json", **headers}
-    )
-    sent = time.time()
-    with urllib.request.urlopen(request, timeout=120) as reply:
-        for line in reply:
-            if line.startswith(b"data:"):
-                first = time.time()
-                break
-        else:
-            raise RuntimeError("no token streamed")
-        for _ in reply:
-            pass
-    return sent, first
 
 
 def stages(sent: float, first: float, commands: list[tuple[float, str]]) -> list[float] | None:

@@ -59,22 +59,31 @@ def engine_ttft(llm: LLM, prompt: str) -> float:
     return output.metrics.first_token_time - output.metrics.arrival_time
 
 
-def http_ttft(url: str, body: dict, headers: dict) -> float:
-    """Seconds from sending a streamed completion to its first token's bytes."""
-    request = urllib.request.Request(
-        url, json.dumps(body).encode(), {"Content-Type": "application/json", **headers}
-    )
-    start = time.perf_counter()
+def json_request(url: str, body: dict, headers: dict) -> urllib.request.Request:
+    headers = {"Content-Type": "application/json", **headers}
+    return urllib.request.Request(url, json.dumps(body).encode(), headers)
+
+
+def streamed_first_token(url: str, body: dict, headers: dict) -> tuple[float, float]:
+    """Wall-clock times of sending a streamed completion and of its first token's bytes."""
+    request = json_request(url, body, headers)
+    sent = time.time()
     with urllib.request.urlopen(request, timeout=600) as reply:
         for line in reply:
             if line.startswith(b"data:"):  # the first streamed chunk carries the first token
-                first = time.perf_counter() - start
+                first = time.time()
                 break
         else:
             raise RuntimeError("no token streamed")
         for _ in reply:  # drain
             pass
-    return first
+    return sent, first
+
+
+def http_ttft(url: str, body: dict, headers: dict) -> float:
+    """Seconds from sending a streamed completion to its first token's bytes."""
+    sent, first = streamed_first_token(url, body, headers)
+    return first - sent
 
 
 # ------------------------------------------------------------------------------------------- llama.cpp
