@@ -498,17 +498,20 @@ class _QuantTiles:
 
 
 class _DequantizedMatmul:
-    """For many rows: what a bf16 copy of the weight would run. Where the bf16 kernel serves a weight of
-    this shape at every row count (`_dense_plan`), the C side dequantizes one tile of outputs at a time into
-    its pair tiles and runs it there, a tile's worth of memory a thread (`linear_quant_bf16`). Elsewhere the
-    weight is dequantized whole for the call (C, all threads), then F.linear (oneDNN or MKL): in bf16 where
-    oneDNN has a fast bf16 path (`prepacking_works`), else in fp32, several times faster on a CPU without
-    AVX-512."""
+    """For many rows: what a bf16 copy of the weight would run. Where the bf16 kernel has AMX, or serves a
+    weight of this shape at every row count (`_dense_plan`), the C side dequantizes one tile of outputs at a
+    time into its pair tiles and runs it there, a tile's worth of memory a thread (`linear_quant_bf16`).
+    With AMX that beats dequantizing the whole weight for oneDNN, which must also reorder it on every call,
+    even where oneDNN beats the bf16 kernel on a prepacked copy. Elsewhere the weight is dequantized whole for
+    the call (C, all threads), then F.linear (oneDNN or MKL): in bf16 where oneDNN has a fast bf16 path
+    (`prepacking_works`), else in fp32, several times faster on a CPU without AVX-512."""
 
     def __init__(self, tiles: _QuantTiles) -> None:
         self.tiles = tiles
-        self.dense_kernel = native_bf16() and _dense_plan(tiles.n, tiles.k_in).native_rows == _ALL
-        self.fn = function("linear_quant_bf16", i32, ptr, ptr, i64, i32, ptr, ptr, i32)
+        self.dense_kernel = native_bf16() and (
+            native_amx() or _dense_plan(tiles.n, tiles.k_in).native_rows == _ALL
+        )
+        self.fn = function("linear_quant_bf16", i32, ptr, ptr, i64, i32, i32, i32, ptr, ptr, i32)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.dtype == BF16 and self.dense_kernel:
@@ -524,7 +527,7 @@ class _DequantizedMatmul:
             x = x.index_select(1, tiles.perm.long())
         if x.stride(1) != 1 or tiles.k != tiles.k_in:
             x = F.pad(x, (0, tiles.k - tiles.k_in))  # contiguous, and zero in the padded columns
-        return tiles.run(self.fn, x, bias)
+        return tiles.run(self.fn, x, bias, _fma_rows(), _amx_rows())
 
 
 def native_quant() -> bool:

@@ -1,6 +1,6 @@
 /* Helpers shared by the CPU kernels: bf16 <-> fp32 and fp16 -> fp32 conversions (bf16 is the top half of an
  * fp32), an exp that vectorises and, with AVX-512, the lane mask of a partial last vector; and the packed
- * weight of linear_bf16.c, whose routine for one tile linear_quant.c runs on tiles it dequantizes. */
+ * weight of linear_bf16.c, whose routines linear_quant.c runs on tiles it dequantizes. */
 #ifndef LLMSERVE_BF16_H
 #define LLMSERVE_BF16_H
 
@@ -23,10 +23,15 @@ struct bf16_weight {
     int amx_rows; /* steps of at least this many rows go through AMX tiles where present (0: never) */
 };
 
-/* Tile `tile` of w, its pairs at wt (not necessarily within w->tiles), against the m rows of x (xf: x in fp32
- * for the FMA routine, or null): outputs tile * TILE onwards of out [m, w->n], bias [w->n] or null. */
-void linear_bf16_tile(const struct bf16_weight *w, int tile, const uint16_t *wt, const uint16_t *x, long ldx,
-                      const float *xf, int m, const uint16_t *bias, uint16_t *out);
+/* Where the pair tiles of a weight come from: `tile` of `source`, either a pointer into its packed tiles or
+ * (linear_quant.c) the tile dequantized into `scratch`, a buffer of k * TILE values of the calling thread. */
+typedef const uint16_t *(*pair_tile_fn)(const void *source, int tile, uint16_t *scratch);
+
+/* out [m, w->n] = x [m, w->k] (row stride ldx) times the weight whose tiles `tile_of` gives, + bias [w->n] or
+ * null: linear_bf16's routines, and so its bits, whatever the source. `scratch`: whether `tile_of` needs a
+ * buffer. Returns 0, or -1 without memory for the buffers. */
+int linear_bf16_from(const struct bf16_weight *w, pair_tile_fn tile_of, const void *source, int scratch,
+                     const uint16_t *x, long ldx, int m, const uint16_t *bias, uint16_t *out, int num_threads);
 
 static inline float bf16_to_float(uint16_t x) {
     uint32_t bits = (uint32_t)x << 16;

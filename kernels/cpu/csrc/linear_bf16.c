@@ -225,13 +225,14 @@ static void tile_amx(const uint16_t *x, long k, int rows, int valid_rows, const 
         store_row_avx512(_mm512_load_ps(sums + m * TILE), _mm512_load_ps(sums + m * TILE + 16), b, lanes, out + m * ldo);
 }
 
-/* linear_bf16 through AMX tiles, in passes of up to AMX_ROWS rows (x copied once, zero-padded to whole
- * passes, so that every pass fills the tiles as configured). Returns 0, or -1 without scratch memory. */
-static int linear_bf16_amx(const struct bf16_weight *w, const uint16_t *x, long ldx, int m, const uint16_t *bias,
-                           uint16_t *out, int num_threads) {
-    int tiles = (w->n + TILE - 1) / TILE, pairs = w->k / 2, passes = (m + AMX_ROWS - 1) / AMX_ROWS;
+/* linear_bf16_from through AMX tiles, in passes of up to AMX_ROWS rows (x copied once, zero-padded to whole
+ * passes, so that every pass fills the tiles as configured). Each weight tile is taken once and multiplied
+ * by every pass while it sits in the thread's cache. Returns 0, or -1 without scratch memory. */
+static int linear_bf16_amx(const struct bf16_weight *w, pair_tile_fn tile_of, const void *source, int scratch,
+                           const uint16_t *x, long ldx, int m, const uint16_t *bias, uint16_t *out, int threads) {
+    int tiles = (w->n + TILE - 1) / TILE, pairs = w->k / 2, passes = (m + AMX_ROWS - 1) / AMX_ROWS, failed = 0;
     int rows = (m + passes - 1) / passes;
-    long k = w->k, tile_elems = (long)pairs * 2 * TILE;
+    long k = w->k;
     uint16_t *xp = aligned_alloc(64, (sizeof(uint16_t) * passes * rows * k + 63) / 64 * 64);
     if (!xp) return -1;
     for (int r = 0; r < passes * rows; r++) {
@@ -240,22 +241,25 @@ static int linear_bf16_amx(const struct bf16_weight *w, const uint16_t *x, long 
         else
             memset(xp + r * k, 0, sizeof(uint16_t) * k);
     }
-#pragma omp parallel num_threads(tiles < num_threads ? tiles : num_threads)
+#pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        int t = omp_get_thread_num(), threads = omp_get_num_threads();
+        int t = omp_get_thread_num(), nthreads = omp_get_num_threads();
         float sums[TILE * TILE] __attribute__((aligned(64)));
+        uint16_t *buffer = scratch ? aligned_alloc(64, sizeof(uint16_t) * k * TILE) : 0;
+        failed = scratch && !buffer;
         configure_tiles(rows);
-        for (int tile = tiles * t / threads; tile < tiles * (t + 1) / threads; tile++) {
-            const uint16_t *wt = w->tiles + tile * tile_elems, *b = bias ? bias + tile * TILE : 0;
+        for (int tile = tiles * t / nthreads; !failed && tile < tiles * (t + 1) / nthreads; tile++) {
+            const uint16_t *wt = tile_of(source, tile, buffer), *b = bias ? bias + tile * TILE : 0;
             int valid = w->n - tile * TILE < TILE ? w->n - tile * TILE : TILE;
             for (int r = 0; r < m; r += rows)
                 tile_amx(xp + r * k, k, rows, m - r < rows ? m - r : rows, wt, pairs, b,
                          out + (long)r * w->n + tile * TILE, w->n, valid, sums);
         }
         _tile_release(); /* a thread holding tile state costs every context switch 8 KB more */
+        free(buffer);
     }
     free(xp);
-    return 0;
+    return failed ? -1 : 0;
 }
 #endif
 
@@ -344,33 +348,53 @@ int linear_bf16_native(void) {
 #endif
 }
 
-void linear_bf16(const struct bf16_weight *w, const uint16_t *x, long ldx, int m, const uint16_t *bias,
-                 uint16_t *out, int num_threads) {
-    if (m == 0) return;
+/* Tile `tile` of w, its pairs at wt, against the m rows of x (xf: x in fp32 for the FMA routine, or null):
+ * outputs tile * TILE onwards of out [m, w->n]. */
+static void linear_bf16_tile(const struct bf16_weight *w, int tile, const uint16_t *wt, const uint16_t *x, long ldx,
+                             const float *xf, int m, const uint16_t *bias, uint16_t *out);
+
+int linear_bf16_from(const struct bf16_weight *w, pair_tile_fn tile_of, const void *source, int scratch,
+                     const uint16_t *x, long ldx, int m, const uint16_t *bias, uint16_t *out, int num_threads) {
+    int tiles = (w->n + TILE - 1) / TILE, mr = chunk_rows(m), failed = 0;
+    int threads = tiles < num_threads ? tiles : num_threads;
+    if (m == 0) return 0;
 #ifdef HAVE_AMX
     if (!w->portable && w->amx_rows && m >= w->amx_rows && w->k % 32 == 0 && amx_permitted() &&
-        linear_bf16_amx(w, x, ldx, m, bias, out, num_threads) == 0)
-        return;
+        linear_bf16_amx(w, tile_of, source, scratch, x, ldx, m, bias, out, threads) == 0)
+        return 0;
 #endif
-    int tiles = (w->n + TILE - 1) / TILE, mr = chunk_rows(m);
-    long tile_elems = (long)w->k * TILE;
     float *xf = 0; /* x in fp32, for the FMA routine */
 #ifdef HAVE_AVX512_BF16
     if (!w->portable && w->fma_rows && mr >= w->fma_rows && (xf = malloc(sizeof(float) * m * w->k)))
         for (int r = 0; r < m; r++)
             for (int c = 0; c < w->k; c++) xf[(long)r * w->k + c] = bf16_to_float(x[r * ldx + c]);
 #endif
-#pragma omp parallel num_threads(tiles < num_threads ? tiles : num_threads)
+#pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        int t = omp_get_thread_num(), threads = omp_get_num_threads();
-        for (int tile = tiles * t / threads; tile < tiles * (t + 1) / threads; tile++)
-            linear_bf16_tile(w, tile, w->tiles + tile * tile_elems, x, ldx, xf, m, bias, out);
+        int t = omp_get_thread_num(), nthreads = omp_get_num_threads();
+        uint16_t *buffer = scratch ? aligned_alloc(64, sizeof(uint16_t) * w->k * TILE) : 0;
+        failed = scratch && !buffer;
+        for (int tile = tiles * t / nthreads; !failed && tile < tiles * (t + 1) / nthreads; tile++)
+            linear_bf16_tile(w, tile, tile_of(source, tile, buffer), x, ldx, xf, m, bias, out);
+        free(buffer);
     }
     free(xf);
+    return failed ? -1 : 0;
 }
 
-void linear_bf16_tile(const struct bf16_weight *w, int tile, const uint16_t *wt, const uint16_t *x, long ldx,
-                      const float *xf, int m, const uint16_t *bias, uint16_t *out) {
+static const uint16_t *packed_tile(const void *w, int tile, uint16_t *unused) {
+    (void)unused;
+    const struct bf16_weight *weight = w;
+    return weight->tiles + (long)tile * weight->k * TILE;
+}
+
+void linear_bf16(const struct bf16_weight *w, const uint16_t *x, long ldx, int m, const uint16_t *bias,
+                 uint16_t *out, int num_threads) {
+    linear_bf16_from(w, packed_tile, w, 0, x, ldx, m, bias, out, num_threads);
+}
+
+static void linear_bf16_tile(const struct bf16_weight *w, int tile, const uint16_t *wt, const uint16_t *x, long ldx,
+                             const float *xf, int m, const uint16_t *bias, uint16_t *out) {
     int pairs = w->k / 2, mr = chunk_rows(m), valid = w->n - tile * TILE < TILE ? w->n - tile * TILE : TILE;
     const uint16_t *b = bias ? bias + tile * TILE : 0;
     for (int r = 0; r < m; r += mr) {

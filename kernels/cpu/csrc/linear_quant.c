@@ -596,32 +596,26 @@ static void dequantize_tile(const struct qweight *w, int qt, int h, uint16_t *pa
     }
 }
 
+/* Pair tile `tile` (quantized tiles 2 * tile and 2 * tile + 1) of the quantized weight `source`, in `pairs`. */
+static const uint16_t *dequantized_pair_tile(const void *source, int tile, uint16_t *pairs) {
+    const struct qweight *w = source;
+    for (int h = 0; h < 2; h++) {
+        if (2 * tile + h < (w->n + QTILE - 1) / QTILE)
+            dequantize_tile(w, 2 * tile + h, h, pairs);
+        else
+            for (long p = 0; p < w->k / 2; p++) memset(pairs + p * 2 * TILE + 2 * QTILE * h, 0, 4 * QTILE);
+    }
+    return pairs;
+}
+
 /* Many rows against a quantized weight at the speed of the dense bf16 kernel, and with its bits: each thread
  * dequantizes one tile of 32 outputs at a time into bf16 pair tiles in a buffer of its own, which stays in
- * its cache while the bf16 kernel's routine runs every row against it. No dense copy of the weight is kept
- * or made. x bf16 [m, k] (the padded columns zero, columns in stored order) with row stride ldx; out bf16
+ * its cache while the bf16 kernel's routines (vdpbf16ps, its FMAs from `fma_rows` rows, AMX from `amx_rows`,
+ * as a dense copy's plan would take them) run every row against it. No dense copy of the weight is kept or
+ * made. x bf16 [m, k] (the padded columns zero, columns in stored order) with row stride ldx; out bf16
  * [m, n]; bias bf16 [n] or null. Returns 0, or -1 where a buffer could not be had. */
-int linear_quant_bf16(const struct qweight *w, const uint16_t *x, long ldx, int m, const uint16_t *bias,
-                      uint16_t *out, int num_threads) {
-    int tiles = (w->n + TILE - 1) / TILE, qtiles = (w->n + QTILE - 1) / QTILE, failed = 0;
-    struct bf16_weight dense = {0, w->n, w->k, w->portable, 0, 0};
-    size_t bytes = sizeof(uint16_t) * w->k * TILE;
-    if (tiles < num_threads) num_threads = tiles;
-#pragma omp parallel num_threads(num_threads) reduction(| : failed)
-    {
-        int t = omp_get_thread_num(), threads = omp_get_num_threads();
-        uint16_t *pairs = aligned_alloc(64, bytes);
-        if (!pairs) failed = 1;
-        for (int tile = tiles * t / threads; pairs && tile < tiles * (t + 1) / threads; tile++) {
-            for (int h = 0; h < 2; h++) {
-                if (2 * tile + h < qtiles)
-                    dequantize_tile(w, 2 * tile + h, h, pairs);
-                else
-                    for (long p = 0; p < w->k / 2; p++) memset(pairs + p * 2 * TILE + 2 * QTILE * h, 0, 4 * QTILE);
-            }
-            linear_bf16_tile(&dense, tile, pairs, x, ldx, 0, m, bias, out);
-        }
-        free(pairs);
-    }
-    return failed ? -1 : 0;
+int linear_quant_bf16(const struct qweight *w, const uint16_t *x, long ldx, int m, int fma_rows, int amx_rows,
+                      const uint16_t *bias, uint16_t *out, int num_threads) {
+    struct bf16_weight dense = {0, w->n, w->k, w->portable, fma_rows, amx_rows};
+    return linear_bf16_from(&dense, dequantized_pair_tile, w, 1, x, ldx, m, bias, out, num_threads);
 }
