@@ -40,6 +40,9 @@ _XBLOCK = 32  # columns of x per int8 scale (XBLOCK in linear_quant.c)
 _LARGE_ROWS = 512  # the row count at which a routine for prompts (many rows) is timed
 _CANDIDATE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256)  # where a crossover is looked for
 _ALL = math.inf
+# Up to this many rows, a quantized weight's tiles dequantized one at a time into AMX beat the weight
+# dequantized whole for oneDNN; beyond, oneDNN's AMX matmul, blocked for many rows, outruns our AMX routine.
+_AMX_TILE_ROWS = 512
 # Steps of up to this many rows give each row the bits it gets alone (see _amx_rows): the native kernels serve
 # them even where oneDNN measures faster, and take AMX only beyond.
 SAME_BITS_ROWS = 20
@@ -498,23 +501,26 @@ class _QuantTiles:
 
 
 class _DequantizedMatmul:
-    """For many rows: what a bf16 copy of the weight would run. Where the bf16 kernel has AMX, or serves a
-    weight of this shape at every row count (`_dense_plan`), the C side dequantizes one tile of outputs at a
-    time into its pair tiles and runs it there, a tile's worth of memory a thread (`linear_quant_bf16`).
-    With AMX that beats dequantizing the whole weight for oneDNN, which must also reorder it on every call,
-    even where oneDNN beats the bf16 kernel on a prepacked copy. Elsewhere the weight is dequantized whole for
-    the call (C, all threads), then F.linear (oneDNN or MKL): in bf16 where oneDNN has a fast bf16 path
-    (`prepacking_works`), else in fp32, several times faster on a CPU without AVX-512."""
+    """For many rows: what a bf16 copy of the weight would run. Where the bf16 kernel serves a weight of this
+    shape at every row count (`_dense_plan`), the C side dequantizes one tile of outputs at a time into its
+    pair tiles and runs it there, a tile's worth of memory a thread (`linear_quant_bf16`). With AMX it does
+    so up to `_AMX_TILE_ROWS` rows: there that beats dequantizing the whole weight for oneDNN, which must
+    also reorder it on every call, even where oneDNN beats the bf16 kernel on a prepacked copy. Elsewhere
+    (and beyond) the weight is dequantized whole for the call (C, all threads), then F.linear (oneDNN or
+    MKL): in bf16 where oneDNN has a fast bf16 path (`prepacking_works`), else in fp32, several times faster
+    on a CPU without AVX-512."""
 
     def __init__(self, tiles: _QuantTiles) -> None:
         self.tiles = tiles
-        self.dense_kernel = native_bf16() and (
-            native_amx() or _dense_plan(tiles.n, tiles.k_in).native_rows == _ALL
-        )
+        self.tile_rows: float = 0  # up to how many rows the tile-wise route runs
+        if native_bf16() and native_amx():
+            self.tile_rows = _AMX_TILE_ROWS
+        elif native_bf16() and _dense_plan(tiles.n, tiles.k_in).native_rows == _ALL:
+            self.tile_rows = _ALL
         self.fn = function("linear_quant_bf16", i32, ptr, ptr, i64, i32, i32, i32, ptr, ptr, i32)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.dtype == BF16 and self.dense_kernel:
+        if x.dtype == BF16 and x.shape[0] <= self.tile_rows:
             return self._tiles_in_bf16(x, bias)
         if x.dtype == BF16 and not prepacking_works(BF16):
             bias = None if bias is None else bias.float()

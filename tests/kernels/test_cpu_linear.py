@@ -296,9 +296,10 @@ def test_quantized_lm_head(gen, rows):
 
 
 @needs_native
-@pytest.mark.parametrize("rows", [1, 33, 300])
+@pytest.mark.parametrize("rows", [1, 33, 300, 600])
 def test_dequantized_matmul_routine(gen, rows):
-    """What `pack` runs instead of the native kernel for many rows where that measures faster."""
+    """What `pack` runs instead of the native kernel for many rows where that measures faster: tile by tile,
+    or (with AMX, beyond `_AMX_TILE_ROWS` rows) the weight dequantized whole."""
     weight = int4_weight(100, 256, 128, gen, act_order=True)
     routine = cpu_linear._DequantizedMatmul(cpu_linear._QuantTiles(weight))
     x, bias = rand(gen, rows, 256), rand(gen, 100)
