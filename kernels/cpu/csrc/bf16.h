@@ -81,6 +81,21 @@ static inline float expf_nonpositive(float x) {
     return p * scale;
 }
 
+/* RMSNorm's sum of squares of a bf16 row, in 16 interleaved partial sums added pairwise at the end: one running
+ * sum would make every addition wait for the one before, where 16 lanes vectorise. Every native RMSNorm sums
+ * through here, so all give the same bits. */
+static inline float sum_of_squares_bf16(const uint16_t *row, int count) {
+    enum { LANES = 16 };
+    float part[LANES] = {0};
+    int i = 0;
+    for (; i + LANES <= count; i += LANES)
+        for (int l = 0; l < LANES; l++) part[l] += bf16_to_float(row[i + l]) * bf16_to_float(row[i + l]);
+    for (int l = 0; i < count; i++, l++) part[l] += bf16_to_float(row[i]) * bf16_to_float(row[i]);
+    for (int width = LANES / 2; width; width /= 2)
+        for (int l = 0; l < width; l++) part[l] += part[l + width];
+    return part[0];
+}
+
 #if defined(__AVX512F__)
 /* The first min(remaining, 16) lanes of a 16-lane vector. */
 static inline __mmask16 first_lanes(int remaining) {

@@ -66,12 +66,7 @@ void rms_norm_bf16(const uint16_t *x, const uint16_t *weight, uint16_t *out, int
     for (int r = 0; r < rows; r++) {
         const uint16_t *xr = x + (long)r * hidden;
         uint16_t *o = out + (long)r * hidden;
-        float sum = 0.f;
-        for (int i = 0; i < hidden; i++) {
-            float h = bf16_to_float(xr[i]);
-            sum += h * h;
-        }
-        float inv = 1.f / sqrtf(sum / hidden + eps);
+        float inv = 1.f / sqrtf(sum_of_squares_bf16(xr, hidden) / hidden + eps);
         for (int i = 0; i < hidden; i++) {
             float normed = bf16_to_float(float_to_bf16(bf16_to_float(xr[i]) * inv));
             o[i] = float_to_bf16(normed * bf16_to_float(weight[i]));

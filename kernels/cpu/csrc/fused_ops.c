@@ -5,7 +5,7 @@
  * ops with one pass (SiLU * up, which the native decoder also needs, is in decoder.c). Results are
  * rounded to bf16 at the same points as the PyTorch ops they replace (only the order of the RMSNorm's sum
  * of squares differs). Built with -O3 -march=native by kernels/cpu/_build.py, so the elementwise loops are
- * vectorised for the machine at hand (the sums of squares are not: fp32 addition is kept in order).
+ * vectorised for the machine at hand.
  */
 #include <stdint.h>
 #include <string.h>
@@ -23,13 +23,8 @@ void add_rms_norm_bf16(const uint16_t *x, const uint16_t *residual, uint16_t *su
     for (int r = 0; r < rows; r++) {
         const uint16_t *xr = x + (long)r * hidden, *rr = residual + (long)r * hidden;
         uint16_t *res = sum_out + (long)r * hidden, *o = out + (long)r * hidden;
-        float sum = 0.f;
-        for (int i = 0; i < hidden; i++) {
-            float h = round_bf16(bf16_to_float(xr[i]) + bf16_to_float(rr[i]));
-            res[i] = float_to_bf16(h);
-            sum += h * h;
-        }
-        float inv = 1.f / __builtin_sqrtf(sum / hidden + eps);
+        for (int i = 0; i < hidden; i++) res[i] = float_to_bf16(bf16_to_float(xr[i]) + bf16_to_float(rr[i]));
+        float inv = 1.f / __builtin_sqrtf(sum_of_squares_bf16(res, hidden) / hidden + eps);
         for (int i = 0; i < hidden; i++) {
             float normed = round_bf16(bf16_to_float(res[i]) * inv);
             o[i] = float_to_bf16(normed * bf16_to_float(weight[i]));
