@@ -19,8 +19,8 @@ def test_triton_backend_matches_transformers(hf_greedy):
     llm = LLM(dtype="float32", attention_backend="triton", block_size=8)
     prompts = [PROMPTS[0], PROMPTS[7], PROMPTS[8]]  # English, Chinese, code
     # Run the same prompt twice so the second request extends a cached prefix through the extend kernel.
-    # Three tokens: two decode steps, each 30 layers of the decode kernel under the interpreter (slow).
-    outputs = llm.generate(prompts + prompts[:1], greedy(max_tokens=3), use_tqdm=False)
+    # Two tokens: one decode step, 30 layers of the decode kernel under the interpreter (slow).
+    outputs = llm.generate(prompts + prompts[:1], greedy(max_tokens=2), use_tqdm=False)
     for out in outputs:
-        assert out.outputs[0].token_ids == hf_greedy[tuple(out.prompt_token_ids)][:3]
+        assert out.outputs[0].token_ids == hf_greedy[tuple(out.prompt_token_ids)][:2]
     assert_all_blocks_free(llm)
