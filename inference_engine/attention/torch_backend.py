@@ -1,12 +1,15 @@
 """Paged attention in PyTorch: the CPU backend (and a fallback wherever Triton is missing).
 
-Where the native CPU kernel (`kernels.cpu.attention`) is available, every decode, and every new token of a
-sequence that brings at most `native_query_max` of them, is one query of that kernel, which reads the
-paged cache in place up to the token's own position. Otherwise single-token queries gather their
+Where the native CPU kernels (`kernels.cpu.attention`) are available, every decode, and every new token of a
+chunk of at most `NATIVE_QUERY_MIN` tokens, is one query of the decode kernel, which reads the paged cache in
+place up to the token's own position: so a speculative verification's tokens get the bits plain decoding
+gives them. Longer chunks, up to `native_query_max` tokens, go to the extend kernel, which shares each key
+among many queries (or, where it cannot run, are one-token queries of the decode kernel too). Longer ones go
+sequence by sequence through SDPA's GEMM-based flash kernel (a chunk with no cached prefix attends to its own
+fresh K/V without touching the cache). Without the native kernels, single-token queries gather their
 sequences' K/V through the block tables into one padded batch and run one masked
-scaled_dot_product_attention. Longer prefill chunks go sequence by sequence through SDPA's GEMM-based
-flash kernel (a chunk with no cached prefix attends to its own fresh K/V without touching the cache).
-Where one wins over the other depends on the CPU, so it is measured once per process.
+scaled_dot_product_attention. Where the native kernels win over SDPA depends on the CPU, so it is measured
+once per process.
 """
 
 from __future__ import annotations
@@ -48,18 +51,30 @@ def forward(
     if meta.decode_only:
         return _decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
     starts = list(accumulate(meta.query_lens, initial=0))
-    # Short chunks as one-token queries of the native kernel, each up to its own position; longer ones
-    # through SDPA.
     limit = NATIVE_QUERY_MIN
     if meta.max_query_len > limit:
         limit = native_query_max(q.shape[1], k_cache.shape[2], q.shape[2], q.dtype, torch.get_num_threads())
-    by_token = [b for b, n in enumerate(meta.query_lens) if n <= limit]
-    if len(by_token) == len(meta.query_lens):
-        out = cpu_attention.paged_decode(q, k_cache, v_cache, *meta.per_token(), scale)
-        if out is not None:
-            return out
-        by_token = []
     out = torch.empty_like(q)
+    extended = set()
+    if limit > NATIVE_QUERY_MIN and cpu_attention.paged_extend(
+        q,
+        k_cache,
+        v_cache,
+        meta.block_tables,
+        meta.query_start_loc,
+        meta.seq_lens,
+        scale,
+        out,
+        (NATIVE_QUERY_MIN + 1, limit),
+    ):
+        extended = {b for b, n in enumerate(meta.query_lens) if NATIVE_QUERY_MIN < n <= limit}
+    # The rest up to the limit as one-token queries of the decode kernel, each up to its own position.
+    by_token = [b for b, n in enumerate(meta.query_lens) if n <= limit and b not in extended]
+    if not extended and len(by_token) == len(meta.query_lens):
+        native = cpu_attention.paged_decode(q, k_cache, v_cache, *meta.per_token(), scale)
+        if native is not None:
+            return native
+        by_token = []
     if by_token:
         rows = torch.cat([torch.arange(starts[b], starts[b + 1], device=q.device) for b in by_token])
         tables, lens = meta.per_token()
@@ -68,7 +83,7 @@ def forward(
             by_token = []
         else:
             out[rows] = native
-    done = set(by_token)
+    done = extended | set(by_token)
     decodes = [b for b, q_len in enumerate(meta.query_lens) if q_len == 1 and b not in done]
     if decodes:
         rows = [starts[b] for b in decodes]
@@ -91,13 +106,14 @@ def forward(
 
 @cache
 def native_query_max(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, threads: int) -> int:
-    """The longest prompt chunk that the native kernel runs faster than SDPA on this CPU, timed once.
+    """The longest prompt chunk that the native kernels run faster than SDPA on this CPU, timed once: the
+    extend kernel where it runs, else each token as a query of the decode kernel.
 
     The answer differs by an order of magnitude between CPUs. Measured with 9 heads / 3 KV heads in bf16
-    on 2 threads, per-token kernel vs flash SDPA on a fresh prompt: on a CPU with AMX, whose tiles run
-    SDPA's blocks, 64 tokens 0.145 vs 0.092 ms and 300 tokens 1.97 vs 0.92; on an AVX512-BF16 CPU without
-    AMX, 64 tokens 0.037 vs 0.092, 300 tokens 0.54 vs 1.38 and 1,024 tokens 5.8 vs 10.6. A wrong pick
-    costs time, never accuracy.
+    on 2 threads: on a CPU with AMX, whose tiles run SDPA's blocks, per-token decode kernel vs flash SDPA
+    64 tokens 0.145 vs 0.092 ms and 300 tokens 1.97 vs 0.92; on an AVX512-BF16 EPYC without AMX, extend
+    kernel vs SDPA 450 tokens 1.0 vs 3.8 ms and 1,000 tokens 4.7 vs 12.5. A wrong pick costs time, never
+    accuracy.
     """
     gen = torch.Generator().manual_seed(0)
     block_size, scale = 16, head_dim**-0.5
@@ -112,6 +128,10 @@ def native_query_max(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtyp
     def native(n: int) -> float:
         q, k, v, tables, lens = inputs(n)
         caches = k.view(-1, block_size, kv_heads, head_dim), v.view(-1, block_size, kv_heads, head_dim)
+        chunk = torch.tensor([0, n], dtype=torch.int32)
+        extend = (q, *caches, tables[:1], chunk, lens[-1:], scale, torch.empty_like(q))
+        if cpu_attention.paged_extend(*extend):
+            return best_time(lambda: cpu_attention.paged_extend(*extend))
         if cpu_attention.paged_decode(q, *caches, tables, lens, scale) is None:
             return float("inf")  # no kernel here, or not for this shape
         return best_time(lambda: cpu_attention.paged_decode(q, *caches, tables, lens, scale))

@@ -95,3 +95,58 @@ def store_kv(
     if status != 0:
         raise IndexError("a KV cache slot is out of range")
     return True
+
+
+def paged_extend(
+    q: torch.Tensor,  # [tokens, heads, head_dim], rows may be strided
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim], this step's rows stored
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [batch, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [batch + 1] int32
+    seq_lens: torch.Tensor,  # [batch] int32, the new tokens included
+    scale: float,
+    out: torch.Tensor,  # [tokens, heads, head_dim]
+    query_lens: tuple[int, int] = (1, 2**31 - 1),
+) -> bool:
+    """Causal attention of the new tokens of every sequence that brings `query_lens` (inclusive bounds) of
+    them, over its paged K/V, into their rows of `out`; False where this kernel can't run (then nothing is
+    written)."""
+    fn = function("paged_extend", i32, ptr, i64, ptr, ptr, ptr, i32, ptr, ptr, ptr, *[i32] * 7, f32, i32)
+    if (
+        fn is None
+        or q.device.type != "cpu"
+        or q.dtype != torch.bfloat16
+        or k_cache.dtype != q.dtype
+        or out.dtype != q.dtype
+        or q.stride(2) != 1
+        or q.stride(1) != q.shape[2]
+        or not (k_cache.is_contiguous() and v_cache.is_contiguous() and out.is_contiguous())
+        or out.shape != q.shape
+    ):
+        return False
+    block_tables = block_tables.to(torch.int32).contiguous()
+    query_start_loc = query_start_loc.to(torch.int32).contiguous()
+    seq_lens = seq_lens.to(torch.int32).contiguous()
+    _, heads, head_dim = q.shape
+    status = fn(
+        q.data_ptr(),
+        q.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.shape[1],
+        query_start_loc.data_ptr(),
+        seq_lens.data_ptr(),
+        out.data_ptr(),
+        len(seq_lens),
+        heads,
+        k_cache.shape[2],
+        head_dim,
+        k_cache.shape[1],
+        *query_lens,
+        scale,
+        torch.get_num_threads(),
+    )
+    if status == -2:
+        raise MemoryError("no memory for the extend attention's key tiles")
+    return status == 0

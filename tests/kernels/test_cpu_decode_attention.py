@@ -117,19 +117,22 @@ MIXED = [
 
 
 @pytest.mark.parametrize("limit", [32, 1024], ids=["limit32", "limit1024"])
-@pytest.mark.parametrize("native", [True, False], ids=["native", "pytorch"])
+@pytest.mark.parametrize("native", ["extend", "per-token", "pytorch"])
 @pytest.mark.parametrize(("seq_lens", "query_lens", "block_size", "dtype"), MIXED)
 def test_backend_matches_extend_reference(
     paged_kv, rand, assert_close, monkeypatch, native, limit, seq_lens, query_lens, block_size, dtype
 ):
-    """The CPU backend on a whole step, each token of a chunk up to `limit` tokens run as a query of the
-    decode kernel and longer chunks (or, without the kernel, every chunk) through SDPA, against the
-    per-sequence causal reference. The limit is pinned, as either CPU kind measures it."""
+    """The CPU backend on a whole step against the per-sequence causal reference: each token of a chunk of
+    up to 32 tokens run as a query of the decode kernel, longer ones up to `limit` tokens through the extend
+    kernel (bf16 only; `per-token`: without it, as queries of the decode kernel too), the rest (or, without
+    native kernels, every chunk) through SDPA. The limit is pinned, as either CPU kind measures it."""
     from inference_engine.attention import AttentionMetadata, torch_backend
     from kernels.reference import paged_extend_attention_ref
 
     monkeypatch.setattr(torch_backend, "native_query_max", lambda *args: limit)
-    if not native:
+    if native != "extend":
+        monkeypatch.setattr(cpu_attention, "paged_extend", lambda *args: False)
+    if native == "pytorch":
         monkeypatch.setattr(cpu_attention, "paged_decode", lambda *args: None)
     kv = paged_kv(seq_lens, block_size, 3, 64, dtype)
     # The new tokens' K/V are already in the cache here; the backend stores them again (same values).
@@ -157,7 +160,7 @@ def test_backend_matches_extend_reference(
     ref = paged_extend_attention_ref(
         q, kv.k_cache, kv.v_cache, kv.block_tables, meta.query_start_loc, kv.seq_lens, 0.125, max(query_lens)
     )
-    if not native:  # the PyTorch path reads padding (see above): give unowned slots finite values
+    if native == "pytorch":  # the PyTorch path reads padding (see above): give unowned slots finite values
         kv.k_cache.nan_to_num_(7.0)
         kv.v_cache.nan_to_num_(-7.0)
     k, v = torch.stack(k_new), torch.stack(v_new)
@@ -213,6 +216,7 @@ def test_native_query_max_is_measured_per_shape(monkeypatch):
     measured = torch_backend.native_query_max(9, 3, 64, BF16, 2)
     assert measured in (32, 64, 128, 256, 512, 1024)
     torch_backend.native_query_max.cache_clear()
+    monkeypatch.setattr(cpu_attention, "paged_extend", lambda *args: False)
     monkeypatch.setattr(cpu_attention, "paged_decode", lambda *args: None)
     assert torch_backend.native_query_max(9, 3, 64, BF16, 2) == 32  # no kernel: every long chunk to SDPA
     torch_backend.native_query_max.cache_clear()

@@ -1,6 +1,6 @@
 /* Helpers shared by the CPU kernels: bf16 <-> fp32 and fp16 -> fp32 conversions (bf16 is the top half of an
- * fp32), an exp that vectorises and, with AVX-512, the lane mask of a partial last vector; and the packed
- * weight of linear_bf16.c, whose routines linear_quant.c runs on tiles it dequantizes. */
+ * fp32), an exp that vectorises and, with AVX-512, its 16-lane form and the lane mask of a partial last
+ * vector; and the packed weight of linear_bf16.c, whose routines linear_quant.c runs on tiles it dequantizes. */
 #ifndef LLMSERVE_BF16_H
 #define LLMSERVE_BF16_H
 
@@ -97,9 +97,25 @@ static inline float sum_of_squares_bf16(const uint16_t *row, int count) {
 }
 
 #if defined(__AVX512F__)
-/* The first min(remaining, 16) lanes of a 16-lane vector. */
+/* The first min(remaining, 16) lanes of a 16-lane vector (none where remaining <= 0). */
 static inline __mmask16 first_lanes(int remaining) {
-    return remaining >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << remaining) - 1);
+    return remaining >= 16 ? (__mmask16)0xffff : remaining <= 0 ? 0 : (__mmask16)((1u << remaining) - 1);
+}
+
+/* expf_nonpositive() on 16 lanes. */
+static inline __m512 exp512_nonpositive(__m512 x) {
+    __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(1.44269504088896341f));
+    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718055994531f));
+    __m512 p = _mm512_set1_ps(1.f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
 
 /* 16 bf16 values as fp32, the lanes outside `lanes` zero (and not read: no fault past an array's end). */

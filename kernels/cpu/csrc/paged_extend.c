@@ -1,0 +1,259 @@
+/* Paged extend attention for the CPU: the new tokens of each sequence (a prompt, or a chunk of one) attend
+ * causally to its whole paged K/V, the cached prefix and their own rows (stored before the call).
+ *
+ * The decode kernel (paged_decode.c) serves one query a cached row at a time; run once per prompt token it
+ * reads every key once per query and reduces each score across lanes. Here many queries share each key:
+ * every sequence's K/V of each KV head is first laid out once, in tiles of 16 keys, as the two products
+ * need them (`relayout`), then groups of query rows run flash-attention style over those tiles with their
+ * output rows in registers: scores of 16 keys per vector by vdpbf16ps over the head's dimension pairs, an
+ * online softmax, and P @ V by vdpbf16ps over pairs of keys (probabilities rounded to bf16, as the decode
+ * kernel and flash attention on GPUs do). Sums are fp32.
+ *
+ * bf16 only, head dims 64 and 128, AVX512-BF16; the caller falls back elsewhere. Layouts:
+ *   q               [tokens, heads, head_dim]  row stride q_stride elements
+ *   k/v_cache       [num_blocks, block_size, kv_heads, head_dim]
+ *   block_tables    [batch, max_blocks] int32
+ *   query_start_loc [batch + 1] int32: sequence b's new tokens are rows [query_start_loc[b], [b + 1])
+ *   seq_lens        [batch] int32: cached tokens after this step, the new ones included
+ *   out             [tokens, heads, head_dim]  only the rows of the sequences this call serves are written
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <float.h>
+
+#define KEYS 16        /* keys per tile: one vector of scores */
+/* Array bounds (fixed, unlike C's variable-length arrays, so that the compiler keeps them in registers). */
+#define MAX_ROWS 4
+#define MAX_STEP 4
+#define MAX_HEAD_DIM 128
+#define STEP_KEYS 64   /* a multiple of every step's keys (T tiles) */
+/* Rows a group and tiles a step (R, T) by head dim, the fastest measured: the scores (R * T vectors), the output
+ * rows (R * D / 16) and a step's key vectors (T) fit the 32 vector registers. */
+#define RT64 3, 4
+#define RT128 2, 4
+#define QUERY_CHUNK 16 /* new tokens per task: enough tasks to balance threads on one prompt */
+
+/* Tile j of one KV head of one sequence, from the paged cache: keys as [D/2][16 keys][2] (dimension pair p of
+ * 16 keys in one vector, which a query's pair p multiplies into 16 scores) and values as [8][D][2] (keys 2i
+ * and 2i + 1 interleaved along the dimensions, which a pair of probabilities multiplies). Keys past `len`
+ * are zero, so their masked probabilities multiply zeros, never stale NaNs. */
+static void relayout_tile(const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *table, int len,
+                          int block_size, int row_stride, int head_offset, int D, int j, uint16_t *keys,
+                          uint16_t *values) {
+    for (int t = 0; t < KEYS; t++) {
+        int key = j * KEYS + t;
+        uint16_t *vt = values + (long)(t / 2) * D * 2 + (t & 1);
+        if (key >= len) {
+            for (int p = 0; p < D / 2; p++) keys[(p * KEYS + t) * 2] = keys[(p * KEYS + t) * 2 + 1] = 0;
+            for (int d = 0; d < D; d++) vt[2 * d] = 0;
+            continue;
+        }
+        long row = ((long)table[key / block_size] * block_size + key % block_size) * row_stride + head_offset;
+        const uint16_t *k = k_cache + row, *v = v_cache + row;
+        for (int p = 0; p < D / 2; p++) {
+            keys[(p * KEYS + t) * 2] = k[2 * p];
+            keys[(p * KEYS + t) * 2 + 1] = k[2 * p + 1];
+        }
+        for (int d = 0; d < D; d++) vt[2 * d] = v[d];
+    }
+}
+
+/* R query rows of one KV head (row r at position pos[r]) against the tiles of keys up to the latest of
+ * them, T tiles a step: each key vector loaded serves R rows, each query pair T tiles, and the softmax's
+ * maximum and rescaling come once a step. D, R and T are constants at each call site, so the output rows
+ * (R * D / 16 vectors) and the step's scores (R * T vectors) stay in registers. */
+static inline __attribute__((always_inline)) void attend_rows(const int D, const int R, const int T,
+                                                              const uint16_t *const *q, const int *pos,
+                                                              const uint16_t *keys, const uint16_t *values,
+                                                              float scale, uint16_t *const *out) {
+    const int NO = D / 16;
+    __m512 acc[MAX_ROWS][MAX_HEAD_DIM / 16], sums[MAX_ROWS];
+    float m[MAX_ROWS];
+    int last = 0;
+    for (int r = 0; r < R; r++) {
+        for (int i = 0; i < NO; i++) acc[r][i] = _mm512_setzero_ps();
+        sums[r] = _mm512_setzero_ps();
+        m[r] = -FLT_MAX;
+        last = pos[r] > last ? pos[r] : last;
+    }
+    for (int j = 0; j <= last / KEYS; j += T) {
+        const uint16_t *kt = keys + (long)j * D * KEYS, *vt = values + (long)j * D * KEYS;
+        __m512 s[MAX_ROWS][MAX_STEP];
+        for (int r = 0; r < R; r++)
+            for (int t = 0; t < T; t++) s[r][t] = _mm512_setzero_ps();
+        for (int p = 0; p < D / 2; p++) {
+            __m512bh k[MAX_STEP];
+            for (int t = 0; t < T; t++) k[t] = (__m512bh)_mm512_loadu_si512(kt + ((long)t * D / 2 + p) * KEYS * 2);
+            for (int r = 0; r < R; r++) {
+                uint32_t pair;
+                memcpy(&pair, q[r] + 2 * p, sizeof pair);
+                __m512bh qp = (__m512bh)_mm512_set1_epi32((int)pair);
+                for (int t = 0; t < T; t++) s[r][t] = _mm512_dpbf16_ps(s[r][t], k[t], qp);
+            }
+        }
+        uint32_t pairs[MAX_ROWS][MAX_STEP * KEYS / 2];
+        for (int r = 0; r < R; r++) {
+            __mmask16 visible[MAX_STEP];
+            __m512 top = _mm512_set1_ps(m[r]);
+            for (int t = 0; t < T; t++) {
+                visible[t] = first_lanes(pos[r] - (j + t) * KEYS + 1);
+                s[r][t] = _mm512_mul_ps(s[r][t], _mm512_set1_ps(scale));
+                top = _mm512_mask_max_ps(top, visible[t], top, s[r][t]);
+            }
+            float new_max = _mm512_reduce_max_ps(top);
+            __m512 shift = _mm512_set1_ps(new_max), correction = _mm512_set1_ps(expf_nonpositive(m[r] - new_max));
+            m[r] = new_max;
+            sums[r] = _mm512_mul_ps(sums[r], correction);
+            for (int i = 0; i < NO; i++) acc[r][i] = _mm512_mul_ps(acc[r][i], correction);
+            for (int t = 0; t < T; t++) {
+                __m512 p = _mm512_maskz_mov_ps(visible[t], exp512_nonpositive(_mm512_sub_ps(s[r][t], shift)));
+                sums[r] = _mm512_add_ps(sums[r], p);
+                _mm256_storeu_si256((__m256i *)(pairs[r] + t * KEYS / 2), (__m256i)_mm512_cvtneps_pbh(p));
+            }
+        }
+        for (int kp = 0; kp < T * KEYS / 2; kp++) {
+            __m512bh w[MAX_ROWS];
+            for (int r = 0; r < R; r++) w[r] = (__m512bh)_mm512_set1_epi32((int)pairs[r][kp]);
+            for (int i = 0; i < NO; i++) {
+                __m512bh v = (__m512bh)_mm512_loadu_si512(vt + ((long)kp * D + 16 * i) * 2);
+                for (int r = 0; r < R; r++) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], v, w[r]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sums[r]));
+        for (int i = 0; i < NO; i++)
+            _mm256_storeu_si256((__m256i *)(out[r] + 16 * i), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[r][i], inv)));
+    }
+}
+
+/* All query rows of one task, R at a time: rows are (token, query head of the group) in that order, so a group
+ * of R rows spans one or two positions. A last group short of R repeats its last row into a scratch row. */
+static inline __attribute__((always_inline)) void attend_task(const int D, const int R, const int T, const uint16_t *q,
+                                                              long q_stride, int group, int heads, int head0,
+                                                              int first_pos, int tokens, const uint16_t *keys,
+                                                              const uint16_t *values, float scale, uint16_t *out) {
+    uint16_t scratch[MAX_HEAD_DIM];
+    for (int row0 = 0; row0 < tokens * group; row0 += R) {
+        const uint16_t *rows[MAX_ROWS];
+        uint16_t *outs[MAX_ROWS];
+        int pos[MAX_ROWS];
+        for (int r = 0; r < R; r++) {
+            int row = row0 + r < tokens * group ? row0 + r : tokens * group - 1, t = row / group;
+            int head = head0 + row % group;
+            rows[r] = q + (long)t * q_stride + (long)head * D;
+            outs[r] = row0 + r < tokens * group ? out + ((long)t * heads + head) * D : scratch;
+            pos[r] = first_pos + t;
+        }
+        attend_rows(D, R, T, rows, pos, keys, values, scale, outs);
+    }
+}
+
+/* Tiles a sequence of `len` keys takes in the buffers: whole steps of the longest step, the last ones zero. */
+static inline int seq_tiles(int len) {
+    return (len + STEP_KEYS - 1) / STEP_KEYS * (STEP_KEYS / KEYS);
+}
+
+struct task {
+    int seq, head, token; /* the sequence, its KV head, the first of its new tokens this task takes */
+};
+
+/* Costlier tasks (later positions) first, so that the last ones to finish are short. */
+static int later_first(const void *a, const void *b) {
+    const struct task *x = a, *y = b;
+    return y->token - x->token;
+}
+
+/* Serves the sequences that bring min_query_len to max_query_len new tokens. Returns 0; -1 where there is no
+ * kernel for the shape, -2 without memory for the tiles (nothing written either way). */
+int paged_extend(const uint16_t *q, long q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                 const int32_t *block_tables, int max_blocks, const int32_t *query_start_loc, const int32_t *seq_lens,
+                 uint16_t *out, int batch, int heads, int kv_heads, int head_dim, int block_size, int min_query_len,
+                 int max_query_len, float scale, int num_threads) {
+    if ((head_dim != 64 && head_dim != 128) || heads % kv_heads) return -1;
+    const int D = head_dim, group = heads / kv_heads, row_stride = kv_heads * D;
+    /* Where each served sequence's tiles start in the buffers (-1: not served), and how many tasks there are.
+     * The buffers hold, per served sequence and KV head, its keys' tiles and then, after all of them, the
+     * values' tiles in the same order. */
+    long *tile0 = malloc(sizeof(long) * batch);
+    if (!tile0) return -2;
+    int tasks = 0;
+    long tiles = 0;
+    for (int b = 0; b < batch; b++) {
+        int n = query_start_loc[b + 1] - query_start_loc[b];
+        tile0[b] = n >= min_query_len && n <= max_query_len && n > 0 ? tiles : -1;
+        if (tile0[b] >= 0) {
+            tiles += seq_tiles(seq_lens[b]);
+            tasks += kv_heads * ((n + QUERY_CHUNK - 1) / QUERY_CHUNK);
+        }
+    }
+    if (tasks == 0) {
+        free(tile0);
+        return 0;
+    }
+    long tile_values = (long)D * KEYS; /* per tile and KV head, in keys and again in values */
+    uint16_t *keys = malloc(sizeof(uint16_t) * tiles * kv_heads * tile_values * 2);
+    struct task *list = malloc(sizeof(struct task) * tasks);
+    if (!keys || !list) {
+        free(tile0);
+        free(keys);
+        free(list);
+        return -2;
+    }
+    uint16_t *values = keys + tiles * kv_heads * tile_values;
+    int at = 0;
+    for (int b = 0; b < batch; b++) {
+        int n = query_start_loc[b + 1] - query_start_loc[b];
+        if (tile0[b] < 0) continue;
+        for (int h = 0; h < kv_heads; h++)
+            for (int t = 0; t < n; t += QUERY_CHUNK) list[at++] = (struct task){b, h, seq_lens[b] - n + t};
+    }
+    qsort(list, tasks, sizeof *list, later_first);
+#pragma omp parallel num_threads(num_threads)
+    {
+        /* Every served sequence's tiles, for every KV head, laid out once. */
+#pragma omp for schedule(static)
+        for (long i = 0; i < tiles * kv_heads; i++) {
+            long tile = i / kv_heads;
+            int h = (int)(i % kv_heads), b = 0;
+            while (tile0[b] < 0 || tile0[b] + seq_tiles(seq_lens[b]) <= tile) b++;
+            long at_tile = tile0[b] * kv_heads + (long)h * seq_tiles(seq_lens[b]) + (tile - tile0[b]);
+            relayout_tile(k_cache, v_cache, block_tables + (long)b * max_blocks, seq_lens[b], block_size, row_stride,
+                          h * D, D, (int)(tile - tile0[b]), keys + at_tile * tile_values,
+                          values + at_tile * tile_values);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int i = 0; i < tasks; i++) {
+            struct task task = list[i];
+            int b = task.seq, n = query_start_loc[b + 1] - query_start_loc[b];
+            int first = task.token - (seq_lens[b] - n), tokens = n - first < QUERY_CHUNK ? n - first : QUERY_CHUNK;
+            long at_tile = tile0[b] * kv_heads + (long)task.head * seq_tiles(seq_lens[b]);
+            const uint16_t *rows = q + (long)(query_start_loc[b] + first) * q_stride;
+            uint16_t *dst = out + (long)(query_start_loc[b] + first) * heads * D;
+            if (D == 64)
+                attend_task(64, RT64, rows, q_stride, group, heads, task.head * group, task.token, tokens,
+                            keys + at_tile * tile_values, values + at_tile * tile_values, scale, dst);
+            else
+                attend_task(128, RT128, rows, q_stride, group, heads, task.head * group, task.token, tokens,
+                            keys + at_tile * tile_values, values + at_tile * tile_values, scale, dst);
+        }
+    }
+    free(tile0);
+    free(keys);
+    free(list);
+    return 0;
+}
+
+#else
+int paged_extend(const uint16_t *q, long q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                 const int32_t *block_tables, int max_blocks, const int32_t *query_start_loc, const int32_t *seq_lens,
+                 uint16_t *out, int batch, int heads, int kv_heads, int head_dim, int block_size, int min_query_len,
+                 int max_query_len, float scale, int num_threads) {
+    return -1; /* no AVX512-BF16 here: the caller takes another path */
+}
+#endif
