@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import kernels.cpu
-from inference_engine.attention.torch_backend import decode_reference
+from inference_engine.attention.torch_backend import EVERY_LENGTH, decode_reference
 from kernels.cpu import attention as cpu_attention
 from kernels.reference import paged_decode_attention_ref
 
@@ -197,7 +197,7 @@ def test_every_query_token_attends_to_its_prefix(query_lens):
     ("native_cost", "expected"),
     [
         (lambda n: n * n * 1e-6, 64),  # quadratic native against linear SDPA: they cross at 100 tokens
-        (lambda n: 1e-9, 1024),  # native always faster: the longest length timed
+        (lambda n: 1e-9, EVERY_LENGTH),  # native faster at every length timed: at every length
         (lambda n: 1.0, 32),  # never faster: only the chunks that always run native
     ],
 )
@@ -214,7 +214,7 @@ def test_native_query_max_is_measured_per_shape(monkeypatch):
     from inference_engine.attention import torch_backend
 
     measured = torch_backend.native_query_max(9, 3, 64, BF16, 2)
-    assert measured in (32, 64, 128, 256, 512, 1024)
+    assert measured in (32, 64, 128, 256, 512, 1024, EVERY_LENGTH)
     torch_backend.native_query_max.cache_clear()
     monkeypatch.setattr(cpu_attention, "paged_extend", lambda *args: False)
     monkeypatch.setattr(cpu_attention, "paged_decode", lambda *args: None)
