@@ -4,7 +4,7 @@
  * The decode kernel (paged_decode.c) serves one query a cached row at a time; run once per prompt token it
  * reads every key once per query and reduces each score across lanes. Here many queries share each key:
  * every sequence's K/V of each KV head is first laid out once, in tiles of 16 keys, as the two products
- * need them (`relayout`), then groups of query rows run flash-attention style over those tiles with their
+ * need them (`relayout_tile`), then groups of query rows run flash-attention style over those tiles with their
  * output rows in registers: scores of 16 keys per vector by vdpbf16ps over the head's dimension pairs, an
  * online softmax, and P @ V by vdpbf16ps over pairs of keys (probabilities rounded to bf16, as the decode
  * kernel and flash attention on GPUs do). Sums are fp32.
