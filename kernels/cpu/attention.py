@@ -9,6 +9,19 @@ from kernels.cpu._build import f32, function, i32, i64, ptr
 _DTYPES = {torch.bfloat16: 1, torch.float32: 0}
 
 
+def _reads_in_place(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """What both attention kernels read: CPU tensors, caches in q's dtype and contiguous, and each query
+    head's row contiguous (a token's rows may be strided, as views of the fused qkv output are)."""
+    return (
+        q.device.type == "cpu"
+        and k_cache.dtype == q.dtype
+        and q.stride(2) == 1
+        and q.stride(1) == q.shape[2]
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+    )
+
+
 def paged_decode(
     q: torch.Tensor,  # [batch, heads, head_dim], rows may be strided
     k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
@@ -19,15 +32,7 @@ def paged_decode(
 ) -> torch.Tensor | None:
     """Attention of one new token per sequence over its paged K/V, or None where this kernel can't run."""
     fn = function("paged_decode", i32, ptr, i64, ptr, ptr, ptr, i32, ptr, ptr, *[i32] * 6, f32, i32)
-    if (
-        fn is None
-        or q.device.type != "cpu"
-        or q.dtype not in _DTYPES
-        or k_cache.dtype != q.dtype
-        or q.stride(2) != 1
-        or q.stride(1) != q.shape[2]
-        or not (k_cache.is_contiguous() and v_cache.is_contiguous())
-    ):
+    if fn is None or q.dtype not in _DTYPES or not _reads_in_place(q, k_cache, v_cache):
         return None
     block_tables = block_tables.to(torch.int32).contiguous()
     seq_lens = seq_lens.to(torch.int32).contiguous()
@@ -114,14 +119,11 @@ def paged_extend(
     fn = function("paged_extend", i32, ptr, i64, ptr, ptr, ptr, i32, ptr, ptr, ptr, *[i32] * 7, f32, i32)
     if (
         fn is None
-        or q.device.type != "cpu"
         or q.dtype != torch.bfloat16
-        or k_cache.dtype != q.dtype
+        or not _reads_in_place(q, k_cache, v_cache)
         or out.dtype != q.dtype
-        or q.stride(2) != 1
-        or q.stride(1) != q.shape[2]
-        or not (k_cache.is_contiguous() and v_cache.is_contiguous() and out.is_contiguous())
         or out.shape != q.shape
+        or not out.is_contiguous()
     ):
         return False
     block_tables = block_tables.to(torch.int32).contiguous()
