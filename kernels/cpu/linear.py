@@ -234,12 +234,15 @@ class _Plan:
 
 
 def _timed_plan(
-    native: Callable, other: Callable, k: int, dtype: torch.dtype, other_costs_memory: bool
+    native: Callable, other: Callable, k: int, dtype: torch.dtype, other_costs_memory: bool, floor: int = 0
 ) -> _Plan:
     """Times two routines on random rows (interleaved, best of a few) and finds up to how many rows the
     native one is the faster: all of them if it is at `_LARGE_ROWS` rows (its lead shrinks as rows grow),
-    else by halving the candidates. Where the other routine needs its own copy of the weight, the native
-    one serves every row count if it is within a tenth of the other at `_LARGE_ROWS` rows, sparing that copy.
+    else by halving the candidates above `floor`, the rows the native routine serves whatever the timing
+    (below `floor` its lead need not shrink with rows: with AMX the bf16 kernel loses to oneDNN from about 8
+    rows and wins again from 21, where its AMX routine starts). Where the other routine needs its own copy of
+    the weight, the native one serves every row count if it is within a tenth of the other at `_LARGE_ROWS`
+    rows, sparing that copy.
 
     Timed on one thread: both routines split their work over threads alike, and with two threads any
     other busy process makes each call wait for a descheduled thread (LM head, 2 rows, two threads on a
@@ -257,24 +260,25 @@ def _timed_plan(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _search(native_faster, other_costs_memory)
+        return _search(native_faster, other_costs_memory, floor)
     finally:
         torch.set_num_threads(threads)
 
 
-def _search(native_faster: Callable[..., bool], other_costs_memory: bool) -> _Plan:
+def _search(native_faster: Callable[..., bool], other_costs_memory: bool, floor: int = 0) -> _Plan:
     if native_faster(_LARGE_ROWS, margin=1.1 if other_costs_memory else 1.0):
         return _Plan(_ALL, keep_other=False)
-    low, high = 0, len(_CANDIDATE_ROWS)  # candidates[:low] measured faster, candidates[high:] not
+    candidates = [rows for rows in _CANDIDATE_ROWS if rows > floor]
+    low, high = 0, len(candidates)  # candidates[:low] measured faster, candidates[high:] not
     while low < high:
         middle = (low + high) // 2
-        if native_faster(_CANDIDATE_ROWS[middle]):
+        if native_faster(candidates[middle]):
             low = middle + 1
         else:
             high = middle
-    if low == len(_CANDIDATE_ROWS):
+    if low == len(candidates):
         return _Plan(_ALL, keep_other=False)
-    return _Plan(_CANDIDATE_ROWS[low - 1] if low else 0, keep_other=True)
+    return _Plan(candidates[low - 1] if low else floor, keep_other=True)
 
 
 def _remembered(key: str, time_it: Callable[[], _Plan]) -> _Plan:
@@ -353,9 +357,17 @@ def _dense_plan(n: int, k: int) -> _Plan:
     def time_it() -> _Plan:
         weight = torch.randn(n, k, generator=torch.Generator().manual_seed(0)).to(BF16)
         native, onednn = _BF16Tiles(weight, portable=not native_bf16()), _OneDNN(weight, pad=False)
-        return _timed_plan(native, onednn, k, BF16, other_costs_memory=True)
+        return _timed_plan(
+            native, onednn, k, BF16, other_costs_memory=True, floor=_forced_rows(native_bf16())
+        )
 
-    return _remembered(f"bf16 [{n}, {k}]", time_it)
+    return _remembered(f"bf16 [{n}, {k}] above {_forced_rows(native_bf16())} rows", time_it)
+
+
+def _forced_rows(native: bool) -> int:
+    """Up to how many rows a native kernel with vector code serves a step whatever the timing (see
+    `_amx_rows`): `SAME_BITS_ROWS`, or none without vector code."""
+    return SAME_BITS_ROWS if native else 0
 
 
 def _pack_dense(weight: torch.Tensor, keep_rows: bool, pad: bool) -> PackedLinear:
@@ -374,7 +386,7 @@ def _pack_dense(weight: torch.Tensor, keep_rows: bool, pad: bool) -> PackedLinea
     if not plan.keep_other:
         return PackedLinear(n, k, tiles, tiles, _ALL, tiles.rows, (tiles.tiles,))
     onednn = _OneDNN(weight, pad)
-    small_rows = max(plan.native_rows, SAME_BITS_ROWS) if native_bf16() else plan.native_rows
+    small_rows = max(plan.native_rows, _forced_rows(native_bf16()))
     return PackedLinear(n, k, tiles, onednn, small_rows, tiles.rows, (tiles.tiles, onednn.resident))
 
 
@@ -559,9 +571,17 @@ def _quant_plan(kind: type, n: int, k: int, group: int, act_order: bool, dtype: 
 
     def time_it() -> _Plan:
         tiles = _QuantTiles(_random_weight(kind, n, k, group, act_order), portable=not native_quant())
-        return _timed_plan(tiles, _DequantizedMatmul(tiles), k, dtype, other_costs_memory=False)
+        return _timed_plan(
+            tiles,
+            _DequantizedMatmul(tiles),
+            k,
+            dtype,
+            other_costs_memory=False,
+            floor=_forced_rows(native_quant()),
+        )
 
-    return _remembered(f"{kind.__name__} [{n}, {k}] group {group} act-order {act_order} {dtype}", time_it)
+    key = f"{kind.__name__} [{n}, {k}] group {group} act-order {act_order} {dtype}"
+    return _remembered(f"{key} above {_forced_rows(native_quant())} rows", time_it)
 
 
 def _pack_quantized(weight: QuantizedWeight, dtype: torch.dtype) -> PackedLinear:
@@ -575,5 +595,5 @@ def _pack_quantized(weight: QuantizedWeight, dtype: torch.dtype) -> PackedLinear
         return PackedLinear(n, k, fallback, fallback, _ALL, fallback.rows, fallback.resident)
     plan = _quant_plan(type(weight), n, k, weight.group_size, weight.perm is not None, dtype)
     large = tiles if plan.native_rows == _ALL else _DequantizedMatmul(tiles)
-    small_rows = max(plan.native_rows, SAME_BITS_ROWS) if native_quant() else plan.native_rows
+    small_rows = max(plan.native_rows, _forced_rows(native_quant()))
     return PackedLinear(n, k, tiles, large, small_rows, tiles.rows, tiles.resident)

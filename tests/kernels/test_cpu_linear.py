@@ -522,3 +522,27 @@ def test_plans_are_timed_once_per_machine(tmp_path, monkeypatch):
     assert cpu_linear._remembered("bf16 [8, 16]", time_it).native_rows == 3 and len(timings) == 2
     (tmp_path / "llmserve-cpu-key.plans.json").write_text("{not json")  # a damaged file is timed again
     assert cpu_linear._remembered("bf16 [8, 8]", time_it).native_rows == 3 and len(timings) == 3
+
+
+@pytest.mark.parametrize(
+    ("wins", "floor", "expected"),
+    [
+        # AMX's shape: vdpbf16ps loses to oneDNN from 8 rows, the AMX routine wins again from 21 to 32
+        (lambda rows: rows < 8 or 21 <= rows <= 32, 20, 32),
+        (lambda rows: rows < 8 or 21 <= rows <= 32, 0, 6),  # without a floor the halving never sees 21-32
+        (lambda rows: rows <= 12, 20, 20),  # loses at every row count above the floor
+        (lambda rows: rows <= 100, 0, 64),
+        (lambda rows: True, 20, cpu_linear._ALL),
+    ],
+)
+def test_the_plan_looks_for_the_crossover_above_the_rows_the_kernel_serves_anyway(wins, floor, expected):
+    asked = []
+
+    def native_faster(rows: int, margin: float = 1.0) -> bool:
+        asked.append(rows)
+        return wins(rows)
+
+    plan = cpu_linear._search(native_faster, other_costs_memory=True, floor=floor)
+    assert plan.native_rows == expected
+    assert plan.keep_other == (expected != cpu_linear._ALL)
+    assert all(rows > floor for rows in asked)
