@@ -12,7 +12,7 @@ from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
 
 from inference_engine.errors import EngineError
-from llmserve import bus, conf
+from llmserve import bus, conf, lookups
 from llmserve.engines import EngineState, live_models
 from llmserve.models import APIKey, ModelConfig
 
@@ -156,6 +156,7 @@ class APIKeyAdmin(admin.ModelAdmin):
     @admin.action(description=_("Revoke selected keys"))
     def revoke_keys(self, request: HttpRequest, queryset: QuerySet[APIKey]) -> None:
         count = queryset.update(revoked=True)
+        lookups.forget()  # update() sends no post_save
         self.message_user(request, ngettext("%d key revoked.", "%d keys revoked.", count) % count)
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from django.utils import timezone
 
-from llmserve import conf, ratelimit
+from llmserve import conf, lookups, ratelimit
 from llmserve.models import APIKey
 
 
@@ -48,13 +48,13 @@ async def aauthenticate(authorization: str | None, client_address: str | None = 
     revoked key unless the deployment is open."""
     token = bearer_token(authorization)
     if conf.get("OPEN_ACCESS"):
-        key = await APIKey.objects.aget_usable(token) if token else None
+        key = await lookups.api_key(token) if token else None
         if key is None:
             return Principal(None, f"addr:{client_address or '-'}", conf.get("DEFAULT_RATE_LIMIT"))
     else:
         if token is None:
             raise AuthenticationFailed("Missing API key: send it as `Authorization: Bearer <key>`.")
-        key = await APIKey.objects.aget_usable(token)
+        key = await lookups.api_key(token)
         if key is None:
             raise AuthenticationFailed("Incorrect or revoked API key.")
     if key.needs_touch():

@@ -27,6 +27,9 @@ Keys (all optional; defaults in `DEFAULTS`):
                          none.
 ``REDIS_POOL_TIMEOUT``   Seconds a request waits for a free Redis connection before 429 with ``Retry-After``.
 ``RETRY_AFTER``          Seconds suggested in ``Retry-After`` for 429 (overload) and 503 answers.
+``LOOKUP_CACHE_SECONDS`` Seconds a web process keeps an API key or a model's admin entry after reading it
+                         (`llmserve.lookups`): changes saved in another process take effect within this time,
+                         changes saved in this one at once. ``0`` reads the database on every request.
 ``SUPERVISOR``           Name of the engine supervisor that admin load / unload actions address.
 ``ENGINE_THREADS``       Torch threads of engines started by ``manage.py llmserve_engine`` (``None``: torch's
                          choice).
@@ -67,6 +70,7 @@ DEFAULTS: dict[str, Any] = {
     "REDIS_MAX_CONNECTIONS": 32,
     "REDIS_POOL_TIMEOUT": 30.0,
     "RETRY_AFTER": 1,
+    "LOOKUP_CACHE_SECONDS": 5.0,
     "SUPERVISOR": "default",
     "ENGINE_THREADS": None,
     "CHAT_LOGIN_REQUIRED": True,

@@ -41,7 +41,7 @@ from django.db import close_old_connections
 from inference_engine.bus.protocol import RequestDelta
 from inference_engine.errors import EngineError, ModelNotFoundError
 from inference_engine.tool_parsers import ParsedDelta
-from llmserve import bus, conf
+from llmserve import bus, conf, lookups
 from llmserve.api import errors, schema
 from llmserve.api.models import _served
 from llmserve.api.responses import call_finish_reason, tool_delta, tool_parser
@@ -54,7 +54,6 @@ from llmserve.auth import (
     bearer_token,
 )
 from llmserve.metrics import RequestTimer
-from llmserve.models import ModelConfig
 
 log = logging.getLogger("llmserve.chat")
 
@@ -199,7 +198,7 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
         except RateLimited as exc:
             raise ChatError("rate_limit_exceeded", str(exc), retry_after=exc.retry_after) from None
         request = _parse(content)
-        config = await ModelConfig.objects.filter(name=request.model).afirst()
+        config = await lookups.model_config(request.model)
         if config is not None and not config.enabled:
             raise ChatError("model_not_found", f"The model `{request.model}` is disabled.", "model")
         await sync_to_async(close_old_connections)()  # as REST does: no connection held while streaming

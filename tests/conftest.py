@@ -2,10 +2,21 @@
 choice wins): `tests.settings`, the host project's on the tests' database."""
 
 import os
+import sys
 
 import pytest
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
+
+
+@pytest.fixture(autouse=True)
+def _forget_lookups():
+    """After each test, the app's recent API keys and model entries (`llmserve.lookups`) are forgotten: they
+    are rows of a test database that pytest-django empties without the signals that would clear them."""
+    yield
+    lookups = sys.modules.get("llmserve.lookups")  # never imported (nor Django set up) by the engine's tests
+    if lookups is not None:
+        lookups.forget()
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

@@ -17,18 +17,15 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from asgiref.sync import sync_to_async
-from django.db import close_old_connections
 from django.http import HttpResponse, JsonResponse, StreamingHttpResponse
 
 from inference_engine.bus.client import AsyncGenerationStream
 from inference_engine.bus.protocol import RequestDelta
 from inference_engine.errors import EngineError, ModelNotFoundError
-from llmserve import bus, metrics
+from llmserve import bus, lookups, metrics
 from llmserve.api import errors
 from llmserve.api.responses import Echo, ResponseBuilder
 from llmserve.api.schema import GenerationRequest
-from llmserve.models import ModelConfig
 
 log = logging.getLogger("llmserve.api")
 
@@ -57,7 +54,7 @@ class Submitted:
 
 async def submit(request: GenerationRequest) -> Submitted:
     received = time.monotonic()
-    config = await _model_config(request.model)
+    config = await lookups.model_config(request.model)
     if config is not None and not config.enabled:
         raise errors.ModelNotFound(f"The model `{request.model}` is disabled.", param="model")
     client = bus.async_client()
@@ -80,17 +77,6 @@ async def submit(request: GenerationRequest) -> Submitted:
     for timer, stream in zip(timers, streams, strict=True):
         timer.accepted(stream.prompt_tokens or 0)
     return Submitted(request, streams, timers)
-
-
-@sync_to_async
-def _model_config(name: str) -> ModelConfig | None:
-    """The model's admin entry, if any. The database is then done with: the connection goes back before the
-    request waits on the engine, or every request waiting in the queue or streaming would hold one (each
-    ASGI request has its own thread and connection). One trip to the request's thread for both."""
-    try:
-        return ModelConfig.objects.filter(name=name).first()
-    finally:
-        close_old_connections()
 
 
 async def _merged(streams: list[AsyncGenerationStream]) -> AsyncIterator[tuple[int, RequestDelta]]:

@@ -14,7 +14,7 @@ from django.test import override_settings
 from django.urls import reverse
 
 from inference_engine.bus.redis_server import free_port
-from llmserve import conf
+from llmserve import conf, lookups
 from llmserve.api import schema
 from llmserve.api.errors import BadRequest
 from llmserve.auth import AuthenticationFailed, aauthenticate
@@ -58,6 +58,81 @@ def test_authentication() -> None:
     assert key.last_used_at is not None
 
 
+@pytest.mark.django_db(transaction=True)
+def test_keys_and_model_entries_are_read_once_a_few_seconds() -> None:
+    """A change made elsewhere (here: `update()`, which sends no signal, as another process's save would not
+    reach this one) shows after LOOKUP_CACHE_SECONDS; one saved in this process at once."""
+    key, raw = APIKey.objects.create_key("ci")
+    model = ModelConfig.objects.create(name="cached")
+
+    async def run() -> None:
+        try:
+            assert (await lookups.api_key(raw)).pk == key.pk
+            assert (await lookups.model_config("cached")).enabled
+            assert await lookups.model_config("not-configured") is None
+            await APIKey.objects.filter(pk=key.pk).aupdate(revoked=True)
+            await ModelConfig.objects.filter(pk=model.pk).aupdate(enabled=False)
+            await ModelConfig.objects.abulk_create([ModelConfig(name="not-configured")])  # no signal either
+            assert (await lookups.api_key(raw)).pk == key.pk  # remembered
+            assert (await lookups.model_config("cached")).enabled
+            assert await lookups.model_config("not-configured") is None
+            with override_settings(LLMSERVE={"LOOKUP_CACHE_SECONDS": 0}):  # read every time
+                assert await lookups.api_key(raw) is None
+                assert not (await lookups.model_config("cached")).enabled
+                assert await lookups.model_config("not-configured") is not None
+            with override_settings(LLMSERVE={"LOOKUP_CACHE_SECONDS": 0.2}):
+                await APIKey.objects.filter(pk=key.pk).aupdate(revoked=False)
+                assert (await lookups.api_key(raw)).pk == key.pk
+                await APIKey.objects.filter(pk=key.pk).aupdate(revoked=True)
+                assert (await lookups.api_key(raw)).pk == key.pk
+                await asyncio.sleep(0.3)
+                assert await lookups.api_key(raw) is None  # expired, read again
+                await APIKey.objects.filter(pk=key.pk).aupdate(revoked=False)
+                assert (await lookups.api_key(raw)).pk == key.pk
+                await sync_to_async(key.revoke)()  # a save in this process: seen at once
+                assert await lookups.api_key(raw) is None
+                with pytest.raises(AuthenticationFailed):
+                    await aauthenticate(f"Bearer {raw}")
+        finally:
+            await sync_to_async(connections.close_all)()
+
+    asyncio.run(run())
+
+
+def test_a_read_that_started_before_a_change_is_not_kept() -> None:
+    """Otherwise a request reading a key while the admin revokes it would keep the old row for seconds."""
+    reads = []
+
+    async def read(name: str) -> str:
+        reads.append(name)
+        if len(reads) == 1:
+            lookups.forget()  # the change lands while the first read is under way
+        return f"row {len(reads)}"
+
+    async def run() -> None:
+        with override_settings(LLMSERVE={"LOOKUP_CACHE_SECONDS": 60}):
+            assert await lookups._recent(("t", "x"), read, "x", keep_none=True) == "row 1"
+            assert await lookups._recent(("t", "x"), read, "x", keep_none=True) == "row 2"
+            assert await lookups._recent(("t", "x"), read, "x", keep_none=True) == "row 2"
+
+    asyncio.run(run())
+
+
+def test_unknown_keys_are_not_remembered() -> None:
+    reads = []
+
+    async def read(name: str) -> None:
+        reads.append(name)
+
+    async def run() -> None:
+        with override_settings(LLMSERVE={"LOOKUP_CACHE_SECONDS": 60}):
+            for _ in range(3):
+                assert await lookups._recent(("key", "guess"), read, "guess", keep_none=False) is None
+
+    asyncio.run(run())
+    assert len(reads) == 3
+
+
 @pytest.mark.django_db
 def test_admin_shows_a_new_key_once(admin_client) -> None:
     response = admin_client.post(reverse("admin:llmserve_apikey_add"), {"name": "laptop", "rate_limit": "5"})
@@ -68,11 +143,13 @@ def test_admin_shows_a_new_key_once(admin_client) -> None:
     assert key.hashed_key == hash_key(raw) and key.rate_limit == 5
     change = admin_client.get(reverse("admin:llmserve_apikey_change", args=[key.pk]))
     assert raw not in change.content.decode()
+    before = lookups._generation
     admin_client.post(
         reverse("admin:llmserve_apikey_changelist"), {"action": "revoke_keys", "_selected_action": [key.pk]}
     )
     key.refresh_from_db()
     assert key.revoked
+    assert lookups._generation > before  # the bulk update, which sends no signal, emptied the cache
 
 
 @pytest.mark.django_db(transaction=True)
