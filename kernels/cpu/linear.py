@@ -354,14 +354,14 @@ def _dense_plan(n: int, k: int) -> _Plan:
     if not prepacking_works(BF16):
         return _Plan(_ALL, keep_other=False)
 
+    floor = _forced_rows(native_bf16())
+
     def time_it() -> _Plan:
         weight = torch.randn(n, k, generator=torch.Generator().manual_seed(0)).to(BF16)
         native, onednn = _BF16Tiles(weight, portable=not native_bf16()), _OneDNN(weight, pad=False)
-        return _timed_plan(
-            native, onednn, k, BF16, other_costs_memory=True, floor=_forced_rows(native_bf16())
-        )
+        return _timed_plan(native, onednn, k, BF16, other_costs_memory=True, floor=floor)
 
-    return _remembered(f"bf16 [{n}, {k}] above {_forced_rows(native_bf16())} rows", time_it)
+    return _remembered(f"bf16 [{n}, {k}] above {floor} rows", time_it)
 
 
 def _forced_rows(native: bool) -> int:
@@ -569,19 +569,14 @@ def _random_weight(kind: type, n: int, k: int, group: int, act_order: bool) -> Q
 def _quant_plan(kind: type, n: int, k: int, group: int, act_order: bool, dtype: torch.dtype) -> _Plan:
     """Native kernel or dequantize + matmul, timed once per machine, format and shape on a random weight."""
 
+    floor = _forced_rows(native_quant())
+
     def time_it() -> _Plan:
         tiles = _QuantTiles(_random_weight(kind, n, k, group, act_order), portable=not native_quant())
-        return _timed_plan(
-            tiles,
-            _DequantizedMatmul(tiles),
-            k,
-            dtype,
-            other_costs_memory=False,
-            floor=_forced_rows(native_quant()),
-        )
+        return _timed_plan(tiles, _DequantizedMatmul(tiles), k, dtype, other_costs_memory=False, floor=floor)
 
-    key = f"{kind.__name__} [{n}, {k}] group {group} act-order {act_order} {dtype}"
-    return _remembered(f"{key} above {_forced_rows(native_quant())} rows", time_it)
+    key = f"{kind.__name__} [{n}, {k}] group {group} act-order {act_order} {dtype} above {floor} rows"
+    return _remembered(key, time_it)
 
 
 def _pack_quantized(weight: QuantizedWeight, dtype: torch.dtype) -> PackedLinear:
