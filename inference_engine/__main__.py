@@ -131,6 +131,7 @@ def serve(args: argparse.Namespace) -> None:
 
     from inference_engine.bus.server import EngineServer, ServeSettings
     from inference_engine.config import EngineConfig
+    from inference_engine.engine_loop import freeze_startup_heap
     from inference_engine.llm_engine import LLMEngine
 
     promoted = threading.Event()
@@ -158,6 +159,7 @@ def serve(args: argparse.Namespace) -> None:
         shutdown_grace=args.shutdown_grace,
     )
     server = EngineServer(engine, url, args.served_model_name, settings)
+    freeze_startup_heap()
     if engine.workers is not None:  # a tensor-parallel rank that dies ends the replica
         engine.workers.on_failure = lambda reason: server.stop()
     print(f"serving {server.model!r} as replica {server.replica_id} on {url}", file=sys.stderr, flush=True)

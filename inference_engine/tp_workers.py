@@ -85,11 +85,13 @@ def init_rank(config: EngineConfig, rank: int) -> None:
 def run_worker(config: EngineConfig, rank: int) -> None:
     """A rank other than 0: builds its model shard, then runs every step rank 0 broadcasts until told to
     stop."""
+    from inference_engine.engine_loop import freeze_startup_heap
     from inference_engine.model_loader import load_configured_model
     from inference_engine.model_runner import ModelRunner  # imports this module
 
     init_rank(config, rank)
     runner = ModelRunner(config, load_configured_model(config))
+    freeze_startup_heap()
     try:
         while True:
             message = [None]
