@@ -59,8 +59,13 @@ async def aauthenticate(authorization: str | None, client_address: str | None = 
             raise AuthenticationFailed("Incorrect or revoked API key.")
     if key.needs_touch():
         key.last_used_at = timezone.now()
-        await APIKey.objects.filter(pk=key.pk).aupdate(last_used_at=key.last_used_at)
+        await _write_last_use(key)
     return Principal(key, f"key:{key.pk}", key.effective_rate_limit())
+
+
+@lookups.released
+def _write_last_use(key: APIKey) -> None:
+    APIKey.objects.filter(pk=key.pk).update(last_used_at=key.last_used_at)
 
 
 async def acheck_rate(principal: Principal) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from asgiref.sync import sync_to_async
 from cachetools import TTLCache
@@ -25,6 +25,8 @@ from django.dispatch import receiver
 from llmserve import conf
 from llmserve.models import APIKey, ModelConfig, hash_key
 
+T = TypeVar("T")
+
 _MAX_ENTRIES = 4096  # keys and model names a process remembers at once (least recently used go first)
 _MISSING = object()
 
@@ -33,10 +35,26 @@ _cache: TTLCache | None = None
 _generation = 0  # bumped by `forget`: a read that started before it is not kept
 
 
+def released(query: Callable[[Any], T]) -> Callable[[Any], Awaitable[T]]:
+    """`query` run on the request's thread, its database connection given back right after: the request goes
+    on to wait on the engine, in the queue or streaming, and would hold the connection all along (each ASGI
+    request has its own thread and connection). Every query of a generation request goes through here, so the
+    request holds none whichever of them ran and whichever the cache spared."""
+
+    @sync_to_async
+    def run(argument: Any) -> T:
+        try:
+            return query(argument)
+        finally:
+            close_old_connections()
+
+    return run
+
+
 async def api_key(raw_key: str) -> APIKey | None:
     """The usable (not revoked) key behind a raw key, or None. Unknown keys are not remembered, so a guess
     costs a query each time and never fills the cache."""
-    return await _recent(("key", hash_key(raw_key)), APIKey.objects.aget_usable, raw_key, keep_none=False)
+    return await _recent(("key", hash_key(raw_key)), _read_api_key, raw_key, keep_none=False)
 
 
 async def model_config(name: str) -> ModelConfig | None:
@@ -73,14 +91,12 @@ async def _recent(
     return value
 
 
-@sync_to_async
+_read_api_key = released(APIKey.objects.get_usable)
+
+
+@released
 def _read_model_config(name: str) -> ModelConfig | None:
-    """The connection goes back before the request waits on the engine, or every request waiting in the queue
-    or streaming would hold one (each ASGI request has its own thread and connection)."""
-    try:
-        return ModelConfig.objects.filter(name=name).first()
-    finally:
-        close_old_connections()
+    return ModelConfig.objects.filter(name=name).first()
 
 
 @receiver(post_save, sender=APIKey)

@@ -178,9 +178,6 @@ class APIKeyManager(models.Manager["APIKey"]):
     def get_usable(self, raw_key: str) -> APIKey | None:
         return self.filter(hashed_key=hash_key(raw_key), revoked=False).first()
 
-    async def aget_usable(self, raw_key: str) -> APIKey | None:
-        return await self.filter(hashed_key=hash_key(raw_key), revoked=False).afirst()
-
 
 class APIKey(models.Model):
     """A client's API key. Only its hash is stored; ``prefix`` (the first characters) identifies it in the

@@ -4,6 +4,7 @@ system checks, migrations and request validation."""
 from __future__ import annotations
 
 import asyncio
+import datetime
 
 import pytest
 from asgiref.sync import sync_to_async
@@ -17,7 +18,7 @@ from inference_engine.bus.redis_server import free_port
 from llmserve import conf, lookups
 from llmserve.api import schema
 from llmserve.api.errors import BadRequest
-from llmserve.auth import AuthenticationFailed, aauthenticate
+from llmserve.auth import AuthenticationFailed, Principal, aauthenticate
 from llmserve.management.commands.llmserve_engine import serve_command
 from llmserve.models import APIKey, ModelConfig, hash_key
 
@@ -93,6 +94,41 @@ def test_keys_and_model_entries_are_read_once_a_few_seconds() -> None:
                 assert await lookups.api_key(raw) is None
                 with pytest.raises(AuthenticationFailed):
                     await aauthenticate(f"Bearer {raw}")
+        finally:
+            await sync_to_async(connections.close_all)()
+
+    asyncio.run(run())
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_generation_request_holds_no_database_connection_once_admitted() -> None:
+    """It goes on to wait on the engine, often for seconds: whichever of its queries ran and whichever the
+    cache spared, the connection of its thread is given back (on PostgreSQL a held one counts against the
+    server's connection limit)."""
+    if connections["default"].vendor == "sqlite":
+        pytest.skip("Django never closes SQLite's in-memory test database")
+    key, raw = APIKey.objects.create_key("ci")
+    ModelConfig.objects.create(name="cached")
+
+    async def holds_a_connection() -> bool:
+        return await sync_to_async(lambda: connections["default"].connection is not None)()
+
+    async def admitted() -> Principal:  # what a REST request reads before it submits
+        principal = await aauthenticate(f"Bearer {raw}")
+        assert (await lookups.model_config("cached")).enabled
+        return principal
+
+    async def run() -> None:
+        try:
+            with override_settings(LLMSERVE={"LOOKUP_CACHE_SECONDS": 60}):
+                await lookups.model_config("cached")  # an earlier request left the entry in the cache
+                principal = await admitted()  # the key read, and its first use written
+                assert not await holds_a_connection()
+                principal.key.last_used_at -= datetime.timedelta(minutes=5)
+                await admitted()  # the key from the cache, its last use written again
+                assert not await holds_a_connection()
+            await sync_to_async(key.refresh_from_db)()
+            assert key.last_used_at == principal.key.last_used_at  # the second write landed
         finally:
             await sync_to_async(connections.close_all)()
 
