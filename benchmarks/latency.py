@@ -8,7 +8,7 @@ request's first token to its last over 127; time to first token is measured for 
 1,000-token prompt, offline (in-process `LLM`) and through the whole HTTP stack (daphne, bus, engine: a
 streamed `/v1/completions`) against llama.cpp's streamed `/completion`. The weights floor is the time to
 read the model's weights once at the bandwidth measured in the same run: before the runs and again before each
-batch-1 run, since a shared machine's bandwidth drifts (40-57 GB/s on one VM within the hour). The floor
+batch-1 run, since a shared machine's bandwidth drifts from one minute to the next. The floor
 reported is the fastest of those reads, and batch 1 is given both as its best time over that floor and as
 each run over the floor read just before it. `--quantized` runs both sides on
 the bundled Q4_1 file instead. JSON and a PNG plot under benchmarks/results/; where llama.cpp cannot be
@@ -147,10 +147,10 @@ def main() -> None:
         for batch in BATCHES:  # alternating, best of the repeats for each side
             ours, theirs = [], []
             for _ in range(args.repeats):
-                floor = weights / measure_read_bandwidth(torch.device("cpu")) if batch == 1 else None
+                floor_now = weights / measure_read_bandwidth(torch.device("cpu")) if batch == 1 else None
                 ours.append(engine_tpot(llm, batch))
-                if floor is not None:
-                    paired.append((ours[-1], floor))
+                if batch == 1:
+                    paired.append((ours[-1], floor_now))
                 if server is not None:
                     theirs.append(llamacpp_tpot(server, batch))
             result["ours"]["tpot_ms"][batch] = 1000 * min(ours)

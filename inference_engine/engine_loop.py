@@ -72,8 +72,8 @@ def on_a_thread_that_ends(fn: Callable[[], T]) -> T:
 def freeze_startup_heap() -> None:
     """Puts every object alive now beyond the reach of Python's cyclic collector, in a process that serves
     one engine for its whole life. The model, its tables and the tokenizer leave some 200,000 objects that
-    every full collection would walk again (~100 ms on a 2-core CPU, a pause in which no step runs) and
-    never free. Garbage from startup is collected first, so none of it is kept."""
+    every full collection would walk again (a pause in which no step runs) and never free. Garbage from
+    startup is collected first, so none of it is kept."""
     gc.collect()
     gc.freeze()
 
