@@ -19,6 +19,7 @@ from inference_engine.attention import AttentionMetadata, get_backend
 from inference_engine.attention.torch_backend import native_query_max
 from inference_engine.config import EngineConfig
 from inference_engine.cuda_graphs import GraphRunner
+from inference_engine.layers.linear import LinearBase
 from inference_engine.model_loader import LoadedModel
 from inference_engine.models import MODEL_CLASSES
 from inference_engine.outputs import Logprob
@@ -170,6 +171,15 @@ class ModelRunner:
         self.model.load_weights(loaded.weights)
         self.model.eval()
         self.model.finalize(quantize_int8=config.quantization == "int8")
+        if self.device.type == "cpu":
+            linears = [p for m in self.model.modules() if isinstance(m, LinearBase) for p in m.packed]
+            if timings := cpu_linear.time_quant_prefetch(linears):
+                logger.info(
+                    "quantized kernel prefetches %d bytes ahead (one row through the model's quantized "
+                    "weights: %s)",
+                    min(timings, key=timings.__getitem__),
+                    ", ".join(f"{d} B {s * 1e3:.2f} ms" for d, s in timings.items()),
+                )
         self.num_blocks = self._num_kv_blocks()
         # CUDA graphs pad a decode batch to a captured size; padding rows write to one reserved block.
         self.use_graphs = self.device.type == "cuda" and not config.enforce_eager

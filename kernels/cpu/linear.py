@@ -18,7 +18,8 @@ import ctypes
 import json
 import math
 import os
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
@@ -46,6 +47,8 @@ _AMX_TILE_ROWS = 512
 # Steps of up to this many rows give each row the bits it gets alone (see _amx_rows): the native kernels serve
 # them even where oneDNN measures faster, and take AMX only beyond.
 SAME_BITS_ROWS = 20
+# How far ahead the quantized kernel may prefetch its weight stream, in bytes (`time_quant_prefetch`).
+QUANT_PREFETCH_BYTES = (1024, 2048, 4096)
 
 
 @dataclass(eq=False)
@@ -553,6 +556,31 @@ def native_quant() -> bool:
     nothing)."""
     fn = function("linear_quant_native", i32)
     return fn is not None and bool(fn())
+
+
+def time_quant_prefetch(weights: Iterable[PackedLinear], rounds: int = 5) -> dict[int, float]:
+    """Sets how far ahead of its loads the quantized kernel prefetches its weight stream: the fastest of
+    `QUANT_PREFETCH_BYTES` on one row through the quantized weights among `weights` (a model's own, so the
+    stream is as long as a decode step's and as cold), interleaved, best of `rounds`. Which distance wins
+    depends on the machine, by a third of a step where it does. Returns each distance's best seconds (empty,
+    and nothing set, without quantized weights on the native kernel). The setting is the process's: the
+    last model loaded sets it for all, on the same machine."""
+    tiles = [w.small for w in weights if isinstance(w.small, _QuantTiles)]
+    set_distance = function("linear_quant_set_prefetch", None, i32)
+    if not tiles or set_distance is None:
+        return {}
+    gen = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(1, t.k_in, generator=gen).to(BF16) for t in tiles]
+    best = dict.fromkeys(QUANT_PREFETCH_BYTES, math.inf)
+    for _ in range(rounds):
+        for distance in best:
+            set_distance(distance)
+            start = time.perf_counter()
+            for t, x in zip(tiles, inputs, strict=True):
+                t(x, None)
+            best[distance] = min(best[distance], time.perf_counter() - start)
+    set_distance(min(best, key=best.__getitem__))
+    return best
 
 
 def _random_weight(kind: type, n: int, k: int, group: int, act_order: bool) -> QuantizedWeight:

@@ -19,6 +19,8 @@ from safetensors import safe_open
 from inference_engine import LLM
 from inference_engine.errors import InvalidRequestError
 from inference_engine.model_loader import gguf_quant, hf_quant, load_model
+from kernels.cpu._build import available, function, i32
+from kernels.cpu.linear import QUANT_PREFETCH_BYTES
 from kernels.quantized import Int4Weight, Int8Weight
 
 from . import quant_checkpoints as qc
@@ -74,6 +76,21 @@ def test_bundled_q4_1_file_stays_quantized_and_equals_the_dense_load():
     embedding = quantized["model.embed_tokens.weight"]
     assert isinstance(embedding, Int8Weight) and embedding.shape == (49152, 576)
     assert isinstance(quantized["model.norm.weight"], torch.Tensor)
+
+
+@pytest.mark.skipif(not available(), reason="no C compiler: the native kernels cannot build")
+def test_a_quantized_model_sets_its_kernels_prefetch_distance_when_it_loads(caplog):
+    get = function("linear_quant_prefetch", i32)
+    set_distance = function("linear_quant_set_prefetch", None, i32)
+    before = get()
+    try:
+        set_distance(7)
+        with caplog.at_level(logging.INFO, logger="inference_engine.model_runner"):
+            LLM(dtype="bfloat16", kv_cache_memory_bytes=1 << 26)
+        assert get() in QUANT_PREFETCH_BYTES
+        assert f"quantized kernel prefetches {get()} bytes ahead" in caplog.text
+    finally:
+        set_distance(before)
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ import torch
 
 from kernels.cpu import huge_pages
 from kernels.cpu import linear as cpu_linear
-from kernels.cpu._build import available
+from kernels.cpu._build import available, function, i32
 from kernels.quantized import Int4Weight, Int8Weight
 
 BF16, FP32 = torch.bfloat16, torch.float32
@@ -293,6 +294,63 @@ def test_quantized_lm_head(gen, rows):
     weight = int8_weight(*LM_HEAD, 32, gen)
     x = rand(gen, rows, LM_HEAD[1])
     assert_matches(cpu_linear._QuantTiles(weight)(x, None), x, weight.dequantize())
+
+
+@pytest.fixture
+def prefetch_distance():
+    """The quantized kernel's prefetch distance (a process-wide setting), restored after the test."""
+    get = function("linear_quant_prefetch", i32)
+    set_distance = function("linear_quant_set_prefetch", None, i32)
+    before = get()
+    yield get, set_distance
+    set_distance(before)
+
+
+@needs_native
+@needs_vnni
+@pytest.mark.parametrize("fmt", ["q4_1-g32", "q8_0-g32", "gptq-g128-act-order"])
+def test_the_prefetch_distance_changes_no_bits(gen, fmt, prefetch_distance):
+    _, set_distance = prefetch_distance
+    make, shapes = QUANT_FORMATS[fmt]
+    routine = cpu_linear._QuantTiles(make(*shapes[0], gen))
+    for rows in (1, 5, 33):
+        x = rand(gen, rows, shapes[0][1])
+        outputs = []
+        for distance in (0, *cpu_linear.QUANT_PREFETCH_BYTES, 1 << 16):
+            set_distance(distance)
+            outputs.append(routine(x, None))
+        assert all(torch.equal(out, outputs[0]) for out in outputs[1:])
+
+
+class _Paced(cpu_linear._QuantTiles):
+    """A quantized weight whose calls take longer the farther the distance is from `fastest`."""
+
+    fastest = 0
+
+    def __call__(self, x, bias):
+        time.sleep(abs(function("linear_quant_prefetch", i32)() - self.fastest) / 1e6)
+        return super().__call__(x, bias)
+
+
+@needs_native
+@pytest.mark.parametrize("fastest", [1024, 2048, 4096])
+def test_the_fastest_prefetch_distance_is_set(gen, fastest, prefetch_distance, monkeypatch):
+    get, set_distance = prefetch_distance
+    monkeypatch.setattr(_Paced, "fastest", fastest)
+    paced = _Paced(int4_weight(64, 64, 32, gen))
+    quantized = cpu_linear.PackedLinear(64, 64, paced, paced, cpu_linear._ALL, None, ())
+    set_distance(7)
+    timings = cpu_linear.time_quant_prefetch([cpu_linear.pack(rand(gen, 64, 64), BF16), quantized], rounds=2)
+    assert list(timings) == list(cpu_linear.QUANT_PREFETCH_BYTES)
+    assert get() == fastest == min(timings, key=timings.__getitem__)
+
+
+@needs_native
+def test_without_quantized_weights_the_prefetch_distance_is_left_alone(gen, prefetch_distance):
+    get, set_distance = prefetch_distance
+    set_distance(7)
+    assert cpu_linear.time_quant_prefetch([cpu_linear.pack(rand(gen, 64, 64), BF16)]) == {}
+    assert get() == 7
 
 
 @needs_native

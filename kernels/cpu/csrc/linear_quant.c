@@ -32,8 +32,17 @@
 #define QTILE 16
 #define XBLOCK 32 /* columns of x per int8 scale */
 #define MAX_QMR 8
-#define PREFETCH_BYTES 4096 /* how far ahead of its loads each thread asks for its stream, into L2 */
 #define STACK_SCRATCH (64 * 1024) /* quantized x up to this size lives on the stack, not the heap */
+
+/* How far ahead of its loads each thread asks for its weight stream, into L2. The best distance depends on the
+ * machine: on some a long one keeps more of the stream in flight, on others it holds up the very loads it
+ * should feed. kernels/cpu/linear.py times a few on the model's own weights when it loads and sets the
+ * fastest. */
+static int prefetch_bytes = 4096;
+
+void linear_quant_set_prefetch(int bytes) { prefetch_bytes = bytes; }
+
+int linear_quant_prefetch(void) { return prefetch_bytes; }
 
 /* A packed weight, set up once per layer by the caller. */
 struct qweight {
@@ -248,7 +257,7 @@ static inline __attribute__((always_inline)) void qtile_avx512(const struct qwei
             __m512i wv[8];
 #pragma GCC unroll 8
             for (int u = 0; u < UNITS; u++) {
-                _mm_prefetch((const char *)p + 64 * u + PREFETCH_BYTES, _MM_HINT_T1);
+                _mm_prefetch((const char *)p + 64 * u + prefetch_bytes, _MM_HINT_T1);
                 __m512i v = _mm512_loadu_si512(p + 64 * u);
                 if (BITS == 8) {
                     wv[u] = v;
@@ -359,7 +368,7 @@ static inline __attribute__((always_inline)) void qtile_avx2(const struct qweigh
                     hi16[m][0] = hi16[m][1] = lo16[m][0] = lo16[m][1] = _mm256_setzero_si256();
 #pragma GCC unroll 8
                 for (int u = 0; u < UNITS; u++, p += 64) {
-                    _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T1);
+                    _mm_prefetch((const char *)p + prefetch_bytes, _MM_HINT_T1);
                     __m256i v = _mm256_loadu_si256((const __m256i *)p);
                     __m256i wl = _mm256_and_si256(v, low), wh = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
 #pragma GCC unroll 4
