@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -126,10 +127,17 @@ def _run_until_signal(stop: Any, run: Any) -> None:
     run()
 
 
+def _usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the OS says, else all of them)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def serve(args: argparse.Namespace) -> None:
     import torch
 
-    from inference_engine.bus.server import EngineServer, ServeSettings
+    from inference_engine.bus.server import EngineServer, ServeSettings, first_token_pause_for
     from inference_engine.config import EngineConfig
     from inference_engine.engine_loop import freeze_startup_heap
     from inference_engine.llm_engine import LLMEngine
@@ -157,6 +165,9 @@ def serve(args: argparse.Namespace) -> None:
         heartbeat_ttl=args.heartbeat_ttl,
         max_inflight=args.max_inflight,
         shutdown_grace=args.shutdown_grace,
+        first_token_pause=first_token_pause_for(torch.get_num_threads(), _usable_cpus())
+        if engine.runner.device.type == "cpu"
+        else 0.0,
     )
     server = EngineServer(engine, url, args.served_model_name, settings)
     freeze_startup_heap()

@@ -17,6 +17,11 @@ class DeltaTracker:
         self._sent_tokens: dict[int, int] = {}
         self._sent_prompt_logprobs = False
 
+    @property
+    def started(self) -> bool:
+        """Whether any token of the request has been sent."""
+        return any(self._sent_tokens.values())
+
     def messages(self, output: RequestOutput, replica: str) -> list[P.Delta | P.Final]:
         """The `delta` entry for this step's progress (if any) and, once finished, the `final` entry."""
         changes = []
