@@ -7,7 +7,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import redis
@@ -109,16 +109,17 @@ def generate_offline(
 class ThreadedServer:
     """An `EngineServer` over the session's `LLMEngine`, running in a thread of the test process."""
 
-    def __init__(self, engine: LLMEngine, url: str, prefix: str, model: str = MODEL) -> None:
+    def __init__(self, engine: LLMEngine, url: str, prefix: str, model: str = MODEL, **settings: Any) -> None:
+        """`settings`: `ServeSettings` fields other than these tests' defaults."""
         self.engine = engine
-        settings = ServeSettings(
-            prefix=prefix,
-            heartbeat_interval=0.2,
-            heartbeat_ttl=1.0,
-            claim_min_idle=0.2,
-            idle_block=0.05,
-            shutdown_grace=2.0,
-        )
+        defaults = {
+            "heartbeat_interval": 0.2,
+            "heartbeat_ttl": 1.0,
+            "claim_min_idle": 0.2,
+            "idle_block": 0.05,
+            "shutdown_grace": 2.0,
+        }
+        settings = ServeSettings(prefix=prefix, **{**defaults, **settings})
         self.server = EngineServer(engine, url, model, settings)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 

@@ -5,13 +5,11 @@ takes them all."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 
-from inference_engine.bus.server import EngineServer, ServeSettings, first_token_pause_for
+from inference_engine.bus.server import first_token_pause_for
 from inference_engine.sampling_params import SamplingParams
 
-from .conftest import MODEL, assert_idle
+from .conftest import MODEL, ThreadedServer
 
 PAUSE = 0.125
 
@@ -33,25 +31,17 @@ def test_serve_pauses_only_where_the_engine_takes_every_cpu() -> None:
     assert first_token_pause_for(threads=2, cpus=4) == 0
 
 
-@contextmanager
-def _serving(engine, url: str, settings: ServeSettings) -> Iterator[_RecordedEvent]:
-    """A server over `engine` in a thread while the block runs; yields its recorded stop event."""
-    server = EngineServer(engine, url, MODEL, settings)
-    server._stopping = stopping = _RecordedEvent()
-    server._connect()
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        yield stopping
-    finally:
-        server.stop()
-        thread.join(10)
-    assert_idle(engine)
+def _server(engine, url: str, prefix: str, **settings) -> tuple[ThreadedServer, _RecordedEvent]:
+    """A started server over `engine` whose stop event records its waits."""
+    server = ThreadedServer(engine, url, prefix, **settings)
+    server.server._stopping = stopping = _RecordedEvent()
+    server.server._connect()
+    return server.start(), stopping
 
 
 def test_the_server_pauses_after_a_first_token_while_work_remains(engine, client, redis_server, prefix):
-    settings = ServeSettings(prefix=prefix, idle_block=0.05, first_token_pause=PAUSE)
-    with _serving(engine, redis_server.url, settings) as stopping:
+    server, stopping = _server(engine, redis_server.url, prefix, first_token_pause=PAUSE)
+    try:
         # One token and nothing else running: the request ends with its first token, nothing to give way to.
         assert client.generate(MODEL, "Hello", SamplingParams(max_tokens=1, ignore_eos=True)).result()
         assert stopping.waits.count(PAUSE) == 0
@@ -64,9 +54,14 @@ def test_the_server_pauses_after_a_first_token_while_work_remains(engine, client
             assert len(stream.result().outputs[0].token_ids) == 6
         # One pause per step that gave a request its first token: one or two steps, as the two were admitted.
         assert 1 <= stopping.waits.count(PAUSE) <= 2
+    finally:
+        server.stop()
 
 
 def test_no_pause_by_default(engine, client, redis_server, prefix):
-    with _serving(engine, redis_server.url, ServeSettings(prefix=prefix, idle_block=0.05)) as stopping:
+    server, stopping = _server(engine, redis_server.url, prefix)
+    try:
         assert client.generate(MODEL, "The sky is", SamplingParams(max_tokens=6, ignore_eos=True)).result()
+    finally:
+        server.stop()
     assert stopping.waits == []
