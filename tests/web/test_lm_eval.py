@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from inference_engine.model_loader import default_model_path
+from tests.engine.quant_checkpoints import dense_folder
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -70,12 +70,11 @@ metric_list:
 
 @pytest.fixture(scope="module")
 def hf_model():
+    """The bundled model as transformers dequantizes its GGUF file, from the safetensors copy kept once per
+    machine (transformers' own GGUF loading takes some 20 s a time on a 2-core CPU)."""
     transformers = pytest.importorskip("transformers")
-    path = default_model_path()
     torch.set_num_threads(1)  # other processes (engine, daphne) share the cores
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    ).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(str(dense_folder()), dtype=torch.float32).eval()
 
 
 def _hf_loglikelihood(model, context: list[int], continuation: list[int]) -> float:
