@@ -9,7 +9,8 @@ may round otherwise in its last bit (AMX, oneDNN), a near-tie may flip, and the 
 counted. Three engines take turns on each batch size: without speculation, with it at every batch
 size (the acceptance rate and the ratio per batch size say where it stops paying), and with it as configured
 by default (on a CPU the engine stops proposing above `speculative.CPU_BATCH_LIMIT` running sequences, above
-`CPU_QUANTIZED_BATCH_LIMIT` for quantized weights).
+`CPU_QUANTIZED_BATCH_LIMIT` for quantized weights, and proposes nothing for quantized weights on a CPU
+without AVX512-VNNI).
 JSON and a PNG plot under benchmarks/results/.
 """
 

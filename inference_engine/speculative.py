@@ -11,8 +11,9 @@ tokens left behind (`LLMEngine._settle`). Summaries and extractions quote their 
 this pays; a large batch already keeps the hardware busy, so above `disable_by_batch_size` running
 sequences nothing is proposed. Unset, that limit is `CPU_BATCH_LIMIT` on a CPU, where verifying drafts costs
 compute that a batch of several sequences already saturates (`benchmarks/speculative.py`), lower for quantized
-weights, whose kernels spend more arithmetic on each extra row; none on a GPU, where a step's extra tokens are
-nearly free. JSON null lifts it. Nor for structured-output requests: a draft
+weights, whose kernels spend more arithmetic on each extra row, and 0 (never) for quantized weights on a CPU
+without AVX512-VNNI, where each extra row costs about what the first does; none on a GPU, where a step's
+extra tokens are nearly free. JSON null lifts it. Nor for structured-output requests: a draft
 token their grammar forbids would have to be masked position by position, and a copied n-gram rarely fits a
 grammar anyway.
 """
@@ -26,6 +27,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from inference_engine.errors import InvalidRequestError
 from inference_engine.sequence import Sequence
+from kernels.cpu.linear import cheap_quant_rows
 
 CPU_BATCH_LIMIT = 4
 CPU_QUANTIZED_BATCH_LIMIT = 2
@@ -42,8 +44,6 @@ class NgramConfig:
     def from_dict(cls, config: dict, device: str = "cpu", quantized: bool = False) -> NgramConfig:
         """`device` and `quantized` (the model's weights) choose the default `disable_by_batch_size`."""
         config = dict(config)
-        cpu_limit = CPU_QUANTIZED_BATCH_LIMIT if quantized else CPU_BATCH_LIMIT
-        config.setdefault("disable_by_batch_size", cpu_limit if device == "cpu" else None)
         method = config.pop("method", "ngram")
         if method != "ngram":
             raise InvalidRequestError(f"speculative method {method!r} is not supported (only 'ngram').")
@@ -58,9 +58,19 @@ class NgramConfig:
         if not 1 <= result.prompt_lookup_min <= result.prompt_lookup_max:
             raise InvalidRequestError("need 1 <= prompt_lookup_min <= prompt_lookup_max.")
         limit = result.disable_by_batch_size
-        if limit is not None and (not isinstance(limit, int) or limit < 1):
+        if "disable_by_batch_size" not in config:  # the default may be 0, which a user may not set
+            result.disable_by_batch_size = _default_batch_limit(device, quantized)
+        elif limit is not None and (not isinstance(limit, int) or limit < 1):
             raise InvalidRequestError("disable_by_batch_size must be a positive integer or null.")
         return result
+
+
+def _default_batch_limit(device: str, quantized: bool) -> int | None:
+    if device != "cpu":
+        return None
+    if quantized:
+        return CPU_QUANTIZED_BATCH_LIMIT if cheap_quant_rows() else 0
+    return CPU_BATCH_LIMIT
 
 
 def ngram_proposal(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:

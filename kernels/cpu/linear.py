@@ -558,6 +558,14 @@ def native_quant() -> bool:
     return fn is not None and bool(fn())
 
 
+def cheap_quant_rows() -> bool:
+    """Whether a few more rows a step cost the quantized kernel little here (AVX512-VNNI). On AVX2 a step
+    of 5 rows through the bundled model's Q4_1 layers took 3.2x one row, so speculation's verification steps
+    cost about what their accepted tokens save."""
+    fn = function("linear_quant_vnni", i32)
+    return fn is not None and bool(fn())
+
+
 def time_quant_prefetch(weights: Iterable[PackedLinear], rounds: int = 5) -> dict[int, float]:
     """Sets how far ahead of its loads the quantized kernel prefetches its weight stream: the fastest of
     `QUANT_PREFETCH_BYTES` on one row through the quantized weights among `weights` (a model's own, so the

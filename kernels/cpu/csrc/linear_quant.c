@@ -446,6 +446,16 @@ int linear_quant_native(void) {
 #endif
 }
 
+/* Whether the quantized kernel multiplies through AVX512-VNNI here (1), where a step's extra rows cost a
+ * fraction of its first, or not (0: on AVX2 each extra row costs about what the first does). */
+int linear_quant_vnni(void) {
+#ifdef HAVE_AVX512_VNNI
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* Row r of x into the scratch of qx; row_bytes: x's row stride in bytes. */
 static void quantize(const struct qweight *w, const void *x, long row_bytes, int is_bf16, const struct qx *qx,
                      int r) {
