@@ -83,6 +83,16 @@ def test_quantized_perplexity_within_one_percent_of_transformers(case, token_ids
     assert_all_blocks_free(llm)
 
 
+NEAR_TIE = 1.0  # logprob: twice the largest one-logit drift between the engines measured, and then some
+
+
+def _below_best(token: int, top: dict) -> float | None:
+    """How far below an engine's best logprob it rates `token` (None: not among its top ones)."""
+    if token not in top:
+        return None
+    return round(max(lp.logprob for lp in top.values()) - top[token].logprob, 4)
+
+
 def _first_difference(ours: list[int], theirs: list[int]) -> int | None:
     if ours == theirs:
         return None
@@ -112,25 +122,32 @@ def bundled_pair() -> tuple[LLM, LLM]:
 
 
 def test_bundled_q4_1_in_bf16_departs_only_at_near_ties(bundled_pair):
-    """In bf16 the two engines' decode steps round activations after different sums (the quantized kernel
-    multiplies the exact dequantized weights, the dense one weights rounded to bf16; prompts run alike where
-    the bf16 kernel serves every row count), so greedy decoding may take the other of two tokens whose logits
-    lie within a step or two of bf16 (0.125 at the magnitudes of top logits). Where a prompt's tokens first
-    differ, the dense engine's top two must be that close."""
+    """In bf16 the two engines round activations after different sums (the quantized kernel multiplies the
+    exact dequantized weights, the dense one weights rounded to bf16, and which routine serves a step of
+    many rows is timed per CPU), so their logits drift apart by a few bf16 steps (up to 0.375 for one
+    logit at magnitudes near 28 on an AVX512-VNNI EPYC, where a step is 0.125) and greedy decoding may take
+    the other of two nearly tied tokens. Where a prompt's tokens first differ, each engine must rate the
+    token the other chose within `NEAR_TIE` of its own best; a wrong kernel departs early and far (a token
+    outside the other's top five, margins of whole units)."""
     quantized, dense = bundled_pair
-    params = greedy(logprobs=2)
+    params = greedy(logprobs=5)
     ours = quantized.generate(PROMPTS, params, use_tqdm=False)
     theirs = dense.generate(PROMPTS, params, use_tqdm=False)
     differ = []
     for prompt, a, b in zip(PROMPTS, ours, theirs, strict=True):
         at = _first_difference(a.outputs[0].token_ids, b.outputs[0].token_ids)
-        if at is None or at >= len(b.outputs[0].logprobs):
+        if at is None or at >= min(len(a.outputs[0].logprobs), len(b.outputs[0].logprobs)):
             continue
-        top2 = sorted((lp.logprob for lp in b.outputs[0].logprobs[at].values()), reverse=True)[:2]
-        differ.append((prompt[:30], at, round(top2[0] - top2[1], 4)))
+        ours_top, theirs_top = a.outputs[0].logprobs[at], b.outputs[0].logprobs[at]
+        gaps = (
+            _below_best(a.outputs[0].token_ids[at], theirs_top),
+            _below_best(b.outputs[0].token_ids[at], ours_top),
+        )
+        differ.append((prompt[:30], at, *gaps))
     same = len(PROMPTS) - len(differ)
-    print(f"{same}/{len(PROMPTS)} identical; differ (prompt, token, top-2 margin): {differ}")
-    assert all(margin <= 0.25 for _, _, margin in differ), differ
+    print(f"{same}/{len(PROMPTS)} identical; differ (prompt, token, each choice below the other's best):")
+    print(differ)
+    assert all(gap is not None and gap <= NEAR_TIE for _, _, *gaps in differ for gap in gaps), differ
     assert_all_blocks_free(quantized)
     assert_all_blocks_free(dense)
 
