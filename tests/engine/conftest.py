@@ -1,6 +1,8 @@
 """Fixtures for engine tests: the bundled model under our engine and under Hugging Face transformers.
 
-Correctness is judged against transformers: same GGUF file, loaded by its own GGUF code, fp32, greedy.
+Correctness is judged against transformers: same GGUF file, dequantized by its own GGUF code, fp32, greedy.
+That dequantization runs once per machine and is kept as a safetensors folder
+(`quant_checkpoints.dense_folder`, which the quantized-checkpoint tests start from too).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import torch
 
 from inference_engine import LLM, SamplingParams
 from inference_engine.model_loader import default_model_path
+
+from .quant_checkpoints import dense_folder
 
 THREADS = int(os.environ.get("LLMSERVE_TEST_THREADS", "2"))
 CACHE = Path(os.environ.get("LLMSERVE_CACHE", Path.home() / ".cache" / "llmserve")) / "test-references"
@@ -66,9 +70,7 @@ def hf_greedy(llm: LLM) -> dict[tuple[int, ...], list[int]]:
     cached = CACHE / f"hf-greedy-{key.hexdigest()[:16]}.json"
     if cached.exists():
         return {tuple(ids): out for ids, out in zip(prompt_ids, json.loads(cached.read_text()), strict=True)}
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    ).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(dense_folder()), dtype=torch.float32).eval()
     outputs = []
     with torch.inference_mode():
         for ids in prompt_ids:

@@ -386,6 +386,10 @@ def reference_logprobs(checkpoint: Path, kind: str, token_ids: list[int]) -> lis
 def _reference_model(checkpoint: Path, kind: str):
     import transformers
 
+    if kind == "gguf" and checkpoint == default_model_path():  # dequantized by transformers already
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            str(dense_folder()), dtype=torch.float32
+        ).eval()
     if kind == "gguf":
         model = transformers.AutoModelForCausalLM.from_pretrained(
             str(checkpoint.parent), gguf_file=checkpoint.name, dtype=torch.float32
