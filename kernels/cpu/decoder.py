@@ -15,10 +15,18 @@ from dataclasses import dataclass
 import torch
 
 from kernels.cpu._build import function, i32, ptr
-from kernels.cpu.linear import PackedLinear, _BF16Tiles, _QuantTiles
+from kernels.cpu.linear import (
+    PackedLinear,
+    _amx_rows,
+    _BF16Tiles,
+    _DequantizedMatmul,
+    _fma_rows,
+    _QuantTiles,
+)
 
 BF16 = torch.bfloat16
 _KINDS = {_BF16Tiles: 1, _QuantTiles: 2}
+_MAX_ROWS = 1 << 16
 
 
 class _Linear(ctypes.Structure):
@@ -27,6 +35,9 @@ class _Linear(ctypes.Structure):
         ("weight", ctypes.c_void_p),
         ("bias", ctypes.c_void_p),
         ("out", ctypes.c_int),
+        ("native_rows", ctypes.c_int),
+        ("fma_rows", ctypes.c_int),
+        ("amx_rows", ctypes.c_int),
     ]
 
 
@@ -73,11 +84,28 @@ class DecoderLayer:
 
 
 def native_rows(packed: PackedLinear) -> int:
-    """How many rows this weight's native routine serves (0: none, or not as the decoder passes them)."""
+    """How many rows the decoder can take through this weight as `linear` would (0: none, or not as the
+    decoder passes them): its native routine's rows, and for a quantized weight also the rows beyond them that
+    go through its dequantized tiles (`_DequantizedMatmul`), where the decoder's inputs need no permutation
+    or padding for that."""
     routine = packed.small
     if type(routine) not in _KINDS or getattr(routine, "k_even", None) not in (None, packed.in_features):
         return 0
-    return int(min(packed.small_rows, 1 << 16))
+    rows = packed.small_rows
+    if _tile_route(packed):
+        rows = packed.large.tile_rows
+    return int(min(rows, _MAX_ROWS))
+
+
+def _tile_route(packed: PackedLinear) -> bool:
+    """Whether `linear` sends this quantized weight's larger steps through its dequantized tiles."""
+    tiles, large = packed.small, packed.large
+    return (
+        isinstance(large, _DequantizedMatmul)
+        and large.tile_rows > packed.small_rows
+        and tiles.perm is None
+        and tiles.k == tiles.k_in
+    )
 
 
 class NativeDecoder:
@@ -145,6 +173,9 @@ class NativeDecoder:
                 weight.desc_ptr,
                 None if bias is None else bias.data_ptr(),
                 packed.out_features,
+                int(min(packed.small_rows, _MAX_ROWS)) if _tile_route(packed) else _MAX_ROWS,
+                _fma_rows(),
+                _amx_rows(),
             )
 
         return _Layer(

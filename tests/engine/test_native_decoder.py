@@ -7,6 +7,9 @@ from __future__ import annotations
 import pytest
 
 from inference_engine import LLM, SamplingParams
+from inference_engine.attention.torch_backend import NATIVE_QUERY_MIN
+from inference_engine.layers.linear import LinearBase
+from kernels.cpu.linear import _DequantizedMatmul
 
 from .conftest import PROMPTS
 
@@ -62,3 +65,26 @@ def test_speculative_steps_through_the_native_decoder():
     native, plain = _pair(quantization="gguf", speculative_config=NGRAM)
     _assert_same(native, plain, PROMPTS[-4:])
     assert native.llm_engine.proposer.num_accepted_tokens > 0
+
+
+def test_quantized_prompt_steps_beyond_the_native_kernels_rows():
+    """Where the layer-by-layer path sends steps of more rows than the native quantized kernel takes through
+    the weight's dequantized tiles, the decoder takes them too, through the same route: a prompt of
+    `NATIVE_QUERY_MIN` tokens prefills in one call, with the layer path's bits."""
+    native, plain = _pair(quantization="gguf")
+    decoder = native.llm_engine.runner.model.model.native
+    packed = [m.packed[0] for m in native.llm_engine.runner.model.modules() if isinstance(m, LinearBase)]
+    kernel_rows = min(p.small_rows for p in packed)
+    tiles_route = all(
+        isinstance(p.large, _DequantizedMatmul) and p.large.tile_rows >= NATIVE_QUERY_MIN
+        for p in packed
+        if p.small_rows < NATIVE_QUERY_MIN
+    )
+    if kernel_rows >= NATIVE_QUERY_MIN or not tiles_route:
+        pytest.skip("the layer path sends no step of the decoder's size through the dequantized tiles here")
+    calls = []
+    forward = decoder.forward
+    decoder.forward = lambda *a: calls.append(len(a[0])) or forward(*a)
+    ids = native.get_tokenizer().encode(" ".join(PROMPTS))[:NATIVE_QUERY_MIN]
+    _assert_same(native, plain, [{"prompt_token_ids": ids}])
+    assert decoder.max_rows == NATIVE_QUERY_MIN and calls[0] == NATIVE_QUERY_MIN > kernel_rows

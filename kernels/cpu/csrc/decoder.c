@@ -19,6 +19,8 @@ void linear_bf16(const struct bf16_weight *w, const uint16_t *x, long ldx, int m
                  uint16_t *out, int num_threads);
 int linear_quant(const struct qweight *w, const void *x, long ldx, int m, int is_bf16, const void *bias, void *out,
                  int num_threads);
+int linear_quant_bf16(const struct qweight *w, const uint16_t *x, long ldx, int m, int fma_rows, int amx_rows,
+                      const uint16_t *bias, uint16_t *out, int num_threads);
 void add_rms_norm_bf16(const uint16_t *x, const uint16_t *residual, uint16_t *sum_out, const uint16_t *weight,
                        uint16_t *out, int rows, int hidden, float eps, int num_threads);
 void rotary_bf16(uint16_t *x, long row_stride, const int64_t *positions, const float *cos, const float *sin,
@@ -36,6 +38,9 @@ struct linear_op {
     const void *weight; /* struct bf16_weight * or struct qweight * */
     const uint16_t *bias;
     int out_features;
+    /* Quantized: steps of more rows than this go through dequantized pair tiles and the bf16 kernel's routines
+     * (fma_rows, amx_rows as for a dense copy), as kernels/cpu/linear.py sends them. */
+    int native_rows, fma_rows, amx_rows;
 };
 
 struct decoder_layer {
@@ -58,6 +63,8 @@ static int linear(const struct linear_op *op, const uint16_t *x, long ldx, int m
         linear_bf16(op->weight, x, ldx, m, op->bias, out, threads);
         return 0;
     }
+    if (m > op->native_rows)
+        return linear_quant_bf16(op->weight, x, ldx, m, op->fma_rows, op->amx_rows, op->bias, out, threads);
     return linear_quant(op->weight, x, ldx, m, 1, op->bias, out, threads);
 }
 
