@@ -173,7 +173,7 @@ class NativeDecoder:
                 weight.desc_ptr,
                 None if bias is None else bias.data_ptr(),
                 packed.out_features,
-                int(min(packed.small_rows, _MAX_ROWS)) if _tile_route(packed) else _MAX_ROWS,
+                int(min(packed.small_rows, _MAX_ROWS)),
                 _fma_rows(),
                 _amx_rows(),
             )

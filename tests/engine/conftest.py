@@ -18,7 +18,7 @@ import torch
 from inference_engine import LLM, SamplingParams
 from inference_engine.model_loader import default_model_path
 
-from .quant_checkpoints import dense_folder
+from .quant_checkpoints import dense_folder, dense_model
 
 THREADS = int(os.environ.get("LLMSERVE_TEST_THREADS", "2"))
 CACHE = Path(os.environ.get("LLMSERVE_CACHE", Path.home() / ".cache" / "llmserve")) / "test-references"
@@ -70,7 +70,7 @@ def hf_greedy(llm: LLM) -> dict[tuple[int, ...], list[int]]:
     cached = CACHE / f"hf-greedy-{key.hexdigest()[:16]}.json"
     if cached.exists():
         return {tuple(ids): out for ids, out in zip(prompt_ids, json.loads(cached.read_text()), strict=True)}
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(dense_folder()), dtype=torch.float32).eval()
+    model = dense_model()
     outputs = []
     with torch.inference_mode():
         for ids in prompt_ids:
@@ -111,8 +111,6 @@ def hf_folder():
     """The bundled model as a Hugging Face folder written by transformers (config.json, safetensors), built
     once per machine and cached (see quant_checkpoints)."""
     pytest.importorskip("transformers")
-    from .quant_checkpoints import dense_folder
-
     return dense_folder()
 
 

@@ -89,6 +89,13 @@ def dense_folder() -> Path:
     return _cached(key, _build_dense)
 
 
+def dense_model():
+    """transformers' model on `dense_folder()`, fp32, for inference: the bundled model's reference."""
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(str(dense_folder()), dtype=torch.float32).eval()
+
+
 def _build_dense(folder: Path) -> None:
     import transformers
 
@@ -387,9 +394,7 @@ def _reference_model(checkpoint: Path, kind: str):
     import transformers
 
     if kind == "gguf" and checkpoint == default_model_path():  # dequantized by transformers already
-        return transformers.AutoModelForCausalLM.from_pretrained(
-            str(dense_folder()), dtype=torch.float32
-        ).eval()
+        return dense_model()
     if kind == "gguf":
         model = transformers.AutoModelForCausalLM.from_pretrained(
             str(checkpoint.parent), gguf_file=checkpoint.name, dtype=torch.float32

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.engine.quant_checkpoints import dense_folder
+from tests.engine.quant_checkpoints import dense_model
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -72,9 +72,9 @@ metric_list:
 def hf_model():
     """The bundled model as transformers dequantizes its GGUF file, from the safetensors copy kept once per
     machine (transformers' own GGUF loading takes some 20 s a time on a 2-core CPU)."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     torch.set_num_threads(1)  # other processes (engine, daphne) share the cores
-    return transformers.AutoModelForCausalLM.from_pretrained(str(dense_folder()), dtype=torch.float32).eval()
+    return dense_model()
 
 
 def _hf_loglikelihood(model, context: list[int], continuation: list[int]) -> float:

@@ -39,7 +39,8 @@ struct linear_op {
     const uint16_t *bias;
     int out_features;
     /* Quantized: steps of more rows than this go through dequantized pair tiles and the bf16 kernel's routines
-     * (fma_rows, amx_rows as for a dense copy), as kernels/cpu/linear.py sends them. */
+     * (fma_rows, amx_rows as for a dense copy), as kernels/cpu/linear.py sends them. Where it sends them
+     * elsewhere, the decoder takes no step of more rows (kernels/cpu/decoder.py: native_rows). */
     int native_rows, fma_rows, amx_rows;
 };
 
