@@ -191,6 +191,7 @@ class _BF16Tiles:
         self.desc = _BF16Weight(self.tiles.data_ptr(), n, self.k_even, int(portable), fma_rows, amx_rows)
         self.desc_ptr = ctypes.addressof(self.desc)
         self.fn = function("linear_bf16", None, ptr, ptr, i64, i32, ptr, ptr, i32)
+        self.rows_fn = function("bf16_rows", ctypes.c_int, ptr, ptr, i32, i32, ptr)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.dtype != BF16 or x.shape[1] != self.k or (bias is not None and bias.dtype != BF16):
@@ -212,9 +213,11 @@ class _BF16Tiles:
         return out
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        _check_ids(ids, self.n)
-        picked = self.tiles[ids // _TILE, :, ids % _TILE]  # [..., k_even / 2, 2]
-        return picked.flatten(-2)[..., : self.k].to(dtype)
+        flat = ids.flatten().to(torch.int64).contiguous()
+        out = torch.empty(*ids.shape, self.k, dtype=BF16)
+        if self.rows_fn(self.desc_ptr, flat.data_ptr(), flat.numel(), self.k, out.data_ptr()) != 0:
+            raise IndexError(f"row ids must lie in [0, {self.n}).")
+        return out.to(dtype)
 
 
 def _check_ids(ids: torch.Tensor, rows: int) -> None:

@@ -393,6 +393,19 @@ void linear_bf16(const struct bf16_weight *w, const uint16_t *x, long ldx, int m
     linear_bf16_from(w, packed_tile, w, 0, x, ldx, m, bias, out, num_threads);
 }
 
+/* Rows ids[0..count) of the weight, their first k_in columns, into out [count, k_in]: the embedding lookups of a
+ * tied weight, which keeps only its packed tiles. Returns -1, writing nothing, where an id lies outside [0, n). */
+int bf16_rows(const struct bf16_weight *w, const int64_t *ids, int count, int k_in, uint16_t *out) {
+    for (int r = 0; r < count; r++)
+        if (ids[r] < 0 || ids[r] >= w->n) return -1;
+    for (int r = 0; r < count; r++) {
+        const uint16_t *row = w->tiles + ids[r] / TILE * w->k * TILE + 2 * (ids[r] % TILE);
+        uint16_t *o = out + (long)r * k_in;
+        for (int c = 0; c < k_in; c++) o[c] = row[c / 2 * 2 * TILE + c % 2]; /* tile[c / 2][row][c % 2] */
+    }
+    return 0;
+}
+
 static void linear_bf16_tile(const struct bf16_weight *w, int tile, const uint16_t *wt, const uint16_t *x, long ldx,
                              const float *xf, int m, const uint16_t *bias, uint16_t *out) {
     int pairs = w->k / 2, mr = chunk_rows(m), valid = w->n - tile * TILE < TILE ? w->n - tile * TILE : TILE;
