@@ -92,20 +92,9 @@ def native_rows(packed: PackedLinear) -> int:
     if type(routine) not in _KINDS or getattr(routine, "k_even", None) not in (None, packed.in_features):
         return 0
     rows = packed.small_rows
-    if _tile_route(packed):
-        rows = packed.large.tile_rows
+    if isinstance(packed.large, _DequantizedMatmul):
+        rows = max(rows, packed.large.rows_taken_as_given())
     return int(min(rows, _MAX_ROWS))
-
-
-def _tile_route(packed: PackedLinear) -> bool:
-    """Whether `linear` sends this quantized weight's larger steps through its dequantized tiles."""
-    tiles, large = packed.small, packed.large
-    return (
-        isinstance(large, _DequantizedMatmul)
-        and large.tile_rows > packed.small_rows
-        and tiles.perm is None
-        and tiles.k == tiles.k_in
-    )
 
 
 class NativeDecoder:

@@ -545,6 +545,12 @@ class _DequantizedMatmul:
             return F.linear(x.float(), self.tiles.rows(None, torch.float32), bias).to(BF16)
         return F.linear(x, self.tiles.rows(None, x.dtype), bias)
 
+    def rows_taken_as_given(self) -> float:
+        """Up to how many bf16 rows go through the tiles with x as it is (no permutation of its columns, no
+        padding): the steps the native decoder may send there itself (0: none)."""
+        tiles = self.tiles
+        return self.tile_rows if tiles.perm is None and tiles.k == tiles.k_in else 0
+
     def _tiles_in_bf16(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         tiles = self.tiles
         if tiles.perm is not None:  # stored column c multiplies x[perm[c]]
