@@ -191,7 +191,7 @@ class _BF16Tiles:
         self.desc = _BF16Weight(self.tiles.data_ptr(), n, self.k_even, int(portable), fma_rows, amx_rows)
         self.desc_ptr = ctypes.addressof(self.desc)
         self.fn = function("linear_bf16", None, ptr, ptr, i64, i32, ptr, ptr, i32)
-        self.rows_fn = function("bf16_rows", ctypes.c_int, ptr, ptr, i32, i32, ptr)
+        self.rows_fn = function("bf16_rows", i32, ptr, ptr, i32, i32, ptr)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.dtype != BF16 or x.shape[1] != self.k or (bias is not None and bias.dtype != BF16):
@@ -216,13 +216,12 @@ class _BF16Tiles:
         flat = ids.flatten().to(torch.int64).contiguous()
         out = torch.empty(*ids.shape, self.k, dtype=BF16)
         if self.rows_fn(self.desc_ptr, flat.data_ptr(), flat.numel(), self.k, out.data_ptr()) != 0:
-            raise IndexError(f"row ids must lie in [0, {self.n}).")
+            raise _bad_ids(self.n)
         return out.to(dtype)
 
 
-def _check_ids(ids: torch.Tensor, rows: int) -> None:
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= rows):
-        raise IndexError(f"row ids must lie in [0, {rows}).")
+def _bad_ids(rows: int) -> IndexError:
+    return IndexError(f"row ids must lie in [0, {rows}).")
 
 
 def native_bf16() -> bool:
@@ -474,7 +473,7 @@ class _QuantTiles:
         )
         self.desc_ptr = ctypes.addressof(self.desc)
         self.fn = function("linear_quant", i32, ptr, ptr, i64, i32, i32, ptr, ptr, i32)
-        self.rows_fn = function("quant_rows", None, ptr, ptr, i32, i32, ptr, i32)
+        self.rows_fn = function("quant_rows", i32, ptr, ptr, i32, i32, ptr, i32)
 
     @property
     def resident(self) -> tuple[torch.Tensor, ...]:
@@ -502,17 +501,14 @@ class _QuantTiles:
 
     def rows(self, ids: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` (None: all) dequantized exactly as `dequantize()` gives them, in `dtype`."""
-        flat = None
-        if ids is not None:
-            _check_ids(ids, self.n)
-            flat = ids.flatten().to(torch.int64).contiguous()
+        flat = None if ids is None else ids.flatten().to(torch.int64).contiguous()
         count = self.n if flat is None else flat.numel()
         out_dtype = dtype if dtype in (BF16, torch.float32) else torch.float32
         out = torch.empty(count, self.k_in, dtype=out_dtype)
         ids_ptr = None if flat is None else flat.data_ptr()
-        self.rows_fn(
-            self.desc_ptr, ids_ptr, count, out_dtype == BF16, out.data_ptr(), torch.get_num_threads()
-        )
+        threads = torch.get_num_threads()
+        if self.rows_fn(self.desc_ptr, ids_ptr, count, out_dtype == BF16, out.data_ptr(), threads) != 0:
+            raise _bad_ids(self.n)
         if self.perm is not None:  # stored column c is input column perm[c]
             out = torch.empty_like(out).index_copy_(1, self.perm.long(), out)
         return out.to(dtype) if ids is None else out.to(dtype).view(*ids.shape, self.k_in)

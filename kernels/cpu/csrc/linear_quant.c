@@ -542,8 +542,10 @@ static void group_row(const struct qweight *w, const uint8_t *group, int j, floa
 
 /* Rows ids[0..count) (ids null: rows 0..count) of the weight dequantized by group_row, columns in stored
  * order, into out [count, k_in] bf16 or fp32: embedding lookups of a tied weight, and whole weights for a
- * dense matmul of many rows. */
-void quant_rows(const struct qweight *w, const int64_t *ids, int count, int is_bf16, void *out, int num_threads) {
+ * dense matmul of many rows. Returns -1, writing nothing, where an id lies outside [0, n). */
+int quant_rows(const struct qweight *w, const int64_t *ids, int count, int is_bf16, void *out, int num_threads) {
+    for (int r = 0; ids && r < count; r++)
+        if (ids[r] < 0 || ids[r] >= w->n) return -1;
     long gbytes = group_bytes(w);
     int groups = w->k / w->group;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (count > 16)
@@ -561,6 +563,7 @@ void quant_rows(const struct qweight *w, const int64_t *ids, int count, int is_b
                 memcpy((float *)out + at, v, sizeof(float) * cols);
         }
     }
+    return 0;
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
