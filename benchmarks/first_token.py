@@ -106,11 +106,12 @@ def main() -> None:
         url = f"{stack.base_url}/v1/completions"
         body = {"model": "bench", "max_tokens": 4, "stream": True, "temperature": 0}
         for i in range(3):  # warm up
-            streamed_first_token(url, {**body, "prompt": f"{i} {prompt}"}, headers)
+            streamed_first_token(url, {**body, "prompt": f"warm-up {i} {prompt}"}, headers)
         log = CommandLog(stack.redis.url)
         time.sleep(0.2)
         for i in range(args.requests):
-            sent, first = streamed_first_token(url, {**body, "prompt": f"{i % 10} {prompt}"}, headers)
+            # A prefix of its own: no request finds a block of its prompt in the prefix cache.
+            sent, first = streamed_first_token(url, {**body, "prompt": f"{i} {prompt}"}, headers)
             time.sleep(0.2)  # the last commands of the request reach the log
             split = stages(sent, first, log.between(sent, first))
             if split is not None:
