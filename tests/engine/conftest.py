@@ -18,7 +18,7 @@ import torch
 from inference_engine import LLM, SamplingParams
 from inference_engine.model_loader import default_model_path
 
-from .quant_checkpoints import dense_folder, dense_model
+from .quant_checkpoints import building, dense_folder, dense_model
 
 THREADS = int(os.environ.get("LLMSERVE_TEST_THREADS", "2"))
 CACHE = Path(os.environ.get("LLMSERVE_CACHE", Path.home() / ".cache" / "llmserve")) / "test-references"
@@ -56,20 +56,29 @@ def _threads():
 
 @pytest.fixture(scope="session")
 def hf_greedy(llm: LLM) -> dict[tuple[int, ...], list[int]]:
-    """Hugging Face greedy continuations of PROMPTS (tokenised by our engine), one prompt at a time.
+    """Hugging Face greedy continuations of PROMPTS (tokenised by our engine), one prompt at a time."""
+    pytest.importorskip("transformers")
+    return hf_greedy_continuations(llm.get_tokenizer())
 
-    A minute of transformers on a 2-core CPU, so the result is kept once per machine, under a key of
+
+def hf_greedy_continuations(tokenizer) -> dict[tuple[int, ...], list[int]]:
+    """A minute of transformers on a 2-core CPU, so the result is kept once per machine, under a key of
     everything it depends on: the model file's bytes, the prompts' token ids, the token count and the
     transformers and torch versions."""
-    transformers = pytest.importorskip("transformers")
-    path = default_model_path()
-    tokenizer = llm.get_tokenizer()
+    import transformers
+
     prompt_ids = [tokenizer.encode(prompt) for prompt in PROMPTS]
-    key = hashlib.sha256(path.read_bytes())
+    key = hashlib.sha256(default_model_path().read_bytes())
     key.update(json.dumps([prompt_ids, MAX_TOKENS, transformers.__version__, torch.__version__]).encode())
     cached = CACHE / f"hf-greedy-{key.hexdigest()[:16]}.json"
-    if cached.exists():
-        return {tuple(ids): out for ids, out in zip(prompt_ids, json.loads(cached.read_text()), strict=True)}
+    with building(cached.name):
+        if not cached.exists():
+            _write_hf_greedy(cached, prompt_ids, tokenizer)
+    outputs = json.loads(cached.read_text())
+    return {tuple(ids): out for ids, out in zip(prompt_ids, outputs, strict=True)}
+
+
+def _write_hf_greedy(cached: Path, prompt_ids: list[list[int]], tokenizer) -> None:
     model = dense_model()
     outputs = []
     with torch.inference_mode():
@@ -85,8 +94,7 @@ def hf_greedy(llm: LLM) -> dict[tuple[int, ...], list[int]]:
     CACHE.mkdir(parents=True, exist_ok=True)
     scratch = cached.with_suffix(f".{os.getpid()}.tmp")
     scratch.write_text(json.dumps(outputs))
-    scratch.replace(cached)  # whole or absent, whatever runs beside this one
-    return {tuple(ids): out for ids, out in zip(prompt_ids, outputs, strict=True)}
+    scratch.replace(cached)  # whole or absent
 
 
 def greedy(max_tokens: int = MAX_TOKENS, **kwargs) -> SamplingParams:

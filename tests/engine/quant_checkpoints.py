@@ -13,18 +13,22 @@
 All start from the bundled GGUF file as transformers loads it. Each lands in
 ``~/.cache/llmserve/test-checkpoints/<name>-<tool version>-<FIXTURE_VERSION>`` (built in a scratch
 folder and renamed into place, so an interrupted build is never reused). The reference perplexities
-(`reference_logprobs`) come from transformers on the weights each tool's own dequantizer gives.
+(`reference_logprobs`) come from transformers on the weights each tool's own dequantizer gives. Each entry is
+built under a file lock of its own (`building`): a process that needs an entry another one is building (the
+suite's background warm-up, `tests.warm_caches`) waits for it instead of building it again.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.metadata
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -57,26 +61,33 @@ def _version(dist: str) -> str:
     return importlib.metadata.version(dist)
 
 
+@contextmanager
+def building(name: str) -> Iterator[None]:
+    """Held while the cache entry `name` is checked and built: one process builds it, the others wait."""
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def _cached(name: str, build: Callable[[Path], None]) -> Path:
     """CACHE/name, built by `build(folder)` into a scratch folder first if it is not there yet."""
     target = CACHE / name
     if target.is_dir():
         return target
-    CACHE.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=CACHE))
-    threads = torch.get_num_threads()
-    # One thread: GPTQ's many small matmuls ran 20x slower on two threads beside other busy processes.
-    torch.set_num_threads(1)
-    try:
-        build(scratch)
+    with building(name):
+        if target.is_dir():  # built while we waited
+            return target
+        scratch = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=CACHE))
+        threads = torch.get_num_threads()
+        # One thread: GPTQ's many small matmuls ran 20x slower on two threads beside other busy processes.
+        torch.set_num_threads(1)
         try:
+            build(scratch)
             scratch.rename(target)
-        except OSError:  # another process finished the same build first
-            if not target.is_dir():
-                raise
-    finally:
-        torch.set_num_threads(threads)
-        shutil.rmtree(scratch, ignore_errors=True)
+        finally:
+            torch.set_num_threads(threads)
+            shutil.rmtree(scratch, ignore_errors=True)
     return target
 
 
@@ -382,12 +393,17 @@ def reference_logprobs(checkpoint: Path, kind: str, token_ids: list[int]) -> lis
     cache = folder / f"reference-{checkpoint.name}-{kind}-{digest}.json"
     if cache.exists():
         return json.loads(cache.read_text())
-    model = _reference_model(checkpoint, kind)
-    with torch.inference_mode():
-        logits = model(torch.tensor([token_ids])).logits[0, :-1].float()
-    logprobs = torch.log_softmax(logits, -1).gather(1, torch.tensor(token_ids[1:])[:, None])[:, 0].tolist()
-    cache.write_text(json.dumps(logprobs))
-    return logprobs
+    with building(cache.name):
+        if cache.exists():
+            return json.loads(cache.read_text())
+        model = _reference_model(checkpoint, kind)
+        with torch.inference_mode():
+            logits = model(torch.tensor([token_ids])).logits[0, :-1].float()
+        logprobs = torch.log_softmax(logits, -1).gather(1, torch.tensor(token_ids[1:])[:, None])
+        scratch = cache.with_suffix(f".{os.getpid()}.tmp")
+        scratch.write_text(json.dumps(logprobs[:, 0].tolist()))
+        scratch.replace(cache)  # whole or absent
+    return json.loads(cache.read_text())
 
 
 def _reference_model(checkpoint: Path, kind: str):
