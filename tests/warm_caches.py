@@ -33,6 +33,7 @@ def main() -> None:
     token_ids = tokenizer.encode(TEXT)
     for checkpoint, kind, _ in CASES.values():
         qc.reference_logprobs(checkpoint() or default_model_path(), kind, token_ids)
+    qc.gguf_file("Q4_0")  # test_quantized_loaders
 
 
 if __name__ == "__main__":
