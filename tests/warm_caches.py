@@ -1,5 +1,5 @@
-"""Builds the per-machine test caches the slowest first uses would build: transformers' greedy reference of
-the bundled model, its dense copy, the quantized checkpoints and their reference perplexities.
+"""Builds the per-machine test caches before the tests that first need them would: transformers' greedy
+reference of the bundled model, its dense copy, the quantized checkpoints and their reference perplexities.
 
     nice -n 19 .venv/bin/python -m tests.warm_caches
 
