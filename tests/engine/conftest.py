@@ -18,7 +18,7 @@ import torch
 from inference_engine import LLM, SamplingParams
 from inference_engine.model_loader import default_model_path
 
-from .quant_checkpoints import building, dense_folder, dense_model
+from .quant_checkpoints import cached_json, dense_folder, dense_model
 
 THREADS = int(os.environ.get("LLMSERVE_TEST_THREADS", "2"))
 CACHE = Path(os.environ.get("LLMSERVE_CACHE", Path.home() / ".cache" / "llmserve")) / "test-references"
@@ -70,31 +70,24 @@ def hf_greedy_continuations(tokenizer) -> dict[tuple[int, ...], list[int]]:
     prompt_ids = [tokenizer.encode(prompt) for prompt in PROMPTS]
     key = hashlib.sha256(default_model_path().read_bytes())
     key.update(json.dumps([prompt_ids, MAX_TOKENS, transformers.__version__, torch.__version__]).encode())
-    cached = CACHE / f"hf-greedy-{key.hexdigest()[:16]}.json"
-    with building(cached.name):
-        if not cached.exists():
-            _write_hf_greedy(cached, prompt_ids, tokenizer)
-    outputs = json.loads(cached.read_text())
+
+    def compute() -> list[list[int]]:
+        model = dense_model()
+        outputs = []
+        with torch.inference_mode():
+            for ids in prompt_ids:
+                out = model.generate(
+                    torch.tensor([ids]),
+                    max_new_tokens=MAX_TOKENS,
+                    do_sample=False,
+                    eos_token_id=tokenizer.eos_token_ids,
+                    pad_token_id=tokenizer.eos_token_id,
+                )
+                outputs.append(out[0, len(ids) :].tolist())
+        return outputs
+
+    outputs = cached_json(CACHE / f"hf-greedy-{key.hexdigest()[:16]}.json", compute)
     return {tuple(ids): out for ids, out in zip(prompt_ids, outputs, strict=True)}
-
-
-def _write_hf_greedy(cached: Path, prompt_ids: list[list[int]], tokenizer) -> None:
-    model = dense_model()
-    outputs = []
-    with torch.inference_mode():
-        for ids in prompt_ids:
-            out = model.generate(
-                torch.tensor([ids]),
-                max_new_tokens=MAX_TOKENS,
-                do_sample=False,
-                eos_token_id=tokenizer.eos_token_ids,
-                pad_token_id=tokenizer.eos_token_id,
-            )
-            outputs.append(out[0, len(ids) :].tolist())
-    CACHE.mkdir(parents=True, exist_ok=True)
-    scratch = cached.with_suffix(f".{os.getpid()}.tmp")
-    scratch.write_text(json.dumps(outputs))
-    scratch.replace(cached)  # whole or absent
 
 
 def greedy(max_tokens: int = MAX_TOKENS, **kwargs) -> SamplingParams:

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import gguf
 import numpy as np
@@ -68,6 +69,18 @@ def building(name: str) -> Iterator[None]:
     with open(CACHE / f".{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
+
+
+def cached_json(path: Path, compute: Callable[[], Any]) -> Any:
+    """The JSON at `path`, written there from `compute()` first (whole or absent) if it is not there yet."""
+    if not path.exists():
+        with building(path.name):
+            if not path.exists():  # nor built while we waited
+                path.parent.mkdir(parents=True, exist_ok=True)
+                scratch = path.with_suffix(f".{os.getpid()}.tmp")
+                scratch.write_text(json.dumps(compute()))
+                scratch.replace(path)
+    return json.loads(path.read_text())
 
 
 def _cached(name: str, build: Callable[[Path], None]) -> Path:
@@ -390,20 +403,15 @@ def reference_logprobs(checkpoint: Path, kind: str, token_ids: list[int]) -> lis
     `Int8Weight.quantize`); cached beside the checkpoint."""
     digest = hashlib.sha1(json.dumps([kind, token_ids]).encode()).hexdigest()[:16]
     folder = checkpoint.parent if checkpoint.is_file() else checkpoint
-    cache = folder / f"reference-{checkpoint.name}-{kind}-{digest}.json"
-    if cache.exists():
-        return json.loads(cache.read_text())
-    with building(cache.name):
-        if cache.exists():
-            return json.loads(cache.read_text())
+
+    def compute() -> list[float]:
         model = _reference_model(checkpoint, kind)
         with torch.inference_mode():
             logits = model(torch.tensor([token_ids])).logits[0, :-1].float()
         logprobs = torch.log_softmax(logits, -1).gather(1, torch.tensor(token_ids[1:])[:, None])
-        scratch = cache.with_suffix(f".{os.getpid()}.tmp")
-        scratch.write_text(json.dumps(logprobs[:, 0].tolist()))
-        scratch.replace(cache)  # whole or absent
-    return json.loads(cache.read_text())
+        return logprobs[:, 0].tolist()
+
+    return cached_json(folder / f"reference-{checkpoint.name}-{kind}-{digest}.json", compute)
 
 
 def _reference_model(checkpoint: Path, kind: str):
