@@ -48,6 +48,7 @@ ENGINE_FLAGS: list[tuple[str, type]] = [
     ("--master-port", int),
     ("--nnodes", int),
     ("--speculative-config", json.loads),  # JSON, as vLLM's flag
+    ("--num-scheduler-steps", int),
     ("--tool-call-parser", str),
 ]
 

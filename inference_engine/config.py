@@ -34,6 +34,9 @@ class EngineConfig:
     nnodes: int = 1  # machines the ranks are spread over (the others run `python -m inference_engine worker`)
     # vLLM's form: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min"/"_max": n}
     speculative_config: dict | None = None
+    # Decode steps one engine step may run in one native call where every running sequence decodes greedily
+    # (vLLM's --num-scheduler-steps): less Python between tokens, which then stream in bursts.
+    num_scheduler_steps: int = 1
     max_num_seqs: int = 256
     max_model_len: int | None = None  # None = the model's own context length
     max_num_batched_tokens: int = 2048  # token budget per step; longer prompts are prefilled in chunks
@@ -71,6 +74,8 @@ class EngineConfig:
             raise InvalidRequestError("tensor_parallel_size must be a positive multiple of nnodes.")
         if self.nnodes > 1 and self.master_port is None:
             raise InvalidRequestError("ranks on several machines need an agreed master_addr and master_port.")
+        if not 1 <= self.num_scheduler_steps <= 64:
+            raise InvalidRequestError("num_scheduler_steps must be in [1, 64].")
         if self.swap_space < 0:
             raise InvalidRequestError("swap_space must be non-negative.")
         if self.tool_call_parser not in PARSERS:

@@ -236,6 +236,7 @@ class LLMEngine:
         self._admit_prepared()
         if self.proposer is not None:
             self.proposer.propose(self.scheduler.running)
+        burst = self._plan_burst()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             if self._preparing:  # only grammars to wait for: wait for one, briefly, rather than spin
@@ -253,25 +254,36 @@ class LLMEngine:
             if seq.grammar is not None and seq.num_computed_tokens + n >= len(seq)
         ]
         masks = self.structured.fill_masks([seq.grammar for seq in constrained]) if constrained else None
-        out = self.runner.execute(sched)
+        if burst:
+            tokens = self.runner.execute_burst(sched)
+            samples = [
+                (seq, [SampleResult(t, 0.0, None) for t in row])
+                for seq, row in zip(sched.seqs, tokens, strict=True)
+            ]
+        else:
+            out = self.runner.execute(sched)
         for seq, n in zip(sched.seqs, sched.num_new_tokens, strict=True):
             seq.num_computed_tokens += n
-        for seq, logprobs in out.prompt_logprobs.items():
-            seq.group.prompt_logprobs.extend(logprobs)
+        if not burst:
+            for seq, logprobs in out.prompt_logprobs.items():
+                seq.group.prompt_logprobs.extend(logprobs)
+            allowed = (
+                dict(zip(constrained, self.structured.masks(masks), strict=True))
+                if masks is not None
+                else None
+            )
+            samples = self._sample(out, allowed)
 
         touched: dict[str, SequenceGroup] = {}
         finished: list[Sequence] = []
         now = time.time()
-        allowed = (
-            dict(zip(constrained, self.structured.masks(masks), strict=True)) if masks is not None else None
-        )
-        for seq, results in self._sample(out, allowed):
+        for seq, results in samples:
             drafts = len(seq.draft_token_ids)
             for result in results:
                 self._append_token(seq, result)
                 if seq.is_finished:
                     break
-            if drafts and self.proposer is not None:
+            if drafts and self.proposer is not None and not burst:
                 self.proposer.record(drafts, len(results) - 1)
             group = seq.group
             group.metrics.first_token_time = group.metrics.first_token_time or now
@@ -291,6 +303,42 @@ class LLMEngine:
             outputs.append(self._request_output(group))
         self._maybe_log_stats()
         return outputs
+
+    def _plan_burst(self) -> bool:
+        """Whether the coming step runs up to `num_scheduler_steps` decode steps in one native call (vLLM's
+        multi-step scheduling), which spares the Python between steps: only where every running sequence
+        decodes greedily with nothing to report but its tokens, no other request waits (it would wait for
+        the whole burst), and the burst fits each sequence's max_tokens and context. Each sequence then holds
+        placeholder drafts, so the scheduler reserves the burst's slots and `_settle` gives back those past
+        where the sequence ends."""
+        steps, running = self.config.num_scheduler_steps, self.scheduler.running
+        if (
+            steps < 2
+            or not running
+            or len(running) > self.runner.burst_rows
+            or len(running) * steps > self.config.max_num_batched_tokens
+            or self.scheduler.waiting
+            or self.scheduler.swapped
+            or self._preparing
+        ):
+            return False
+        for seq in running:
+            if (
+                len(seq) - seq.num_computed_tokens != 1
+                or seq.num_output_tokens == 0  # its first token may fork it (n > 1)
+                or seq.draft_token_ids
+                or seq.grammar is not None
+                or not Sampler.plain_greedy(seq)
+            ):
+                return False
+            if seq.params.max_tokens is not None:
+                steps = min(steps, seq.params.max_tokens - seq.num_output_tokens)
+            steps = min(steps, self.max_model_len - len(seq))
+        if steps < 2:
+            return False
+        for seq in running:
+            seq.draft_token_ids = [seq.token_ids[-1]] * (steps - 1)
+        return True
 
     def _sample(
         self, out: StepOutput, masks: dict[Sequence, torch.Tensor] | None = None

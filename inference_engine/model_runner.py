@@ -199,7 +199,7 @@ class ModelRunner:
             # Which attention path prompt chunks take is timed now, not in the first long prompt's step.
             attn, threads = self.model.model.layers[0].self_attn, torch.get_num_threads()
             native_query_max(attn.num_heads, attn.num_kv_heads, attn.head_dim, self.dtype, threads)
-            self.model.model.use_native_decoder()
+            self.model.use_native_decoder()
         max_blocks = min(-(-loaded.config.max_position_embeddings // self.block_size), self.num_blocks)
         self.inputs = StepInputs(
             max(config.max_num_batched_tokens, config.max_num_seqs),
@@ -280,6 +280,31 @@ class ModelRunner:
                 top_logprobs(logprobs[i], seq.token_ids[first + i + 1], k) for i in range(hi - lo)
             ]
         return StepOutput(step.sample_seqs, logits, prompt_logprobs)
+
+    @property
+    def burst_rows(self) -> int:
+        """Sequences `execute_burst` takes at once: 0 where it cannot run (tensor parallelism, a GPU, a model
+        off the native decoder)."""
+        return self.model.generate_rows if self.workers is None and self.device.type == "cpu" else 0
+
+    @torch.inference_mode()
+    def execute_burst(self, sched: SchedulerOutput) -> list[list[int]]:
+        """Greedy decode steps of every scheduled sequence in one native call, as many as the fewest tokens
+        scheduled for one of them (its newest token, then placeholders that reserved the burst's slots);
+        each sequence's tokens, the ones `execute` and a greedy sampler would give step by step."""
+        step = self.inputs.prepare(sched)
+        steps = min(sched.num_new_tokens)
+        first = step.meta.query_start_loc[:-1].long()
+        rows = first + torch.arange(steps)[:, None]  # [steps, batch]: each step's token of each sequence
+        positions = step.positions[rows]
+        tokens = self.model.generate(
+            step.input_ids[first],
+            positions,
+            step.meta.slot_mapping[rows],
+            step.meta.block_tables,
+            positions + 1,
+        )
+        return tokens.t().tolist()
 
     @torch.inference_mode()
     def _profile_peak_memory(self) -> int:

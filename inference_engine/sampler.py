@@ -115,7 +115,7 @@ class Sampler:
         allowed: TokenBitmask | None,
     ) -> list[list[SampleResult]]:
         logprobs: dict[int, tuple[float, dict[int, Logprob]]] = {}
-        if all(self._plain_greedy(s) for s in seqs):
+        if all(self.plain_greedy(s) for s in seqs):
             if allowed is not None:
                 apply_token_bitmask(logits, allowed)
             tokens = argmax(logits).tolist()
@@ -165,7 +165,7 @@ class Sampler:
         return sample_rows(logits, md)
 
     @staticmethod
-    def _plain_greedy(seq: Sequence) -> bool:
+    def plain_greedy(seq: Sequence) -> bool:
         """Greedy with nothing that changes the logits first and no logprobs to report."""
         params = seq.params
         return (

@@ -201,6 +201,29 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
+    def use_native_decoder(self) -> bool:
+        """`LlamaModel.use_native_decoder`, and `generate` too where the head and embeddings allow."""
+        if not self.model.use_native_decoder():
+            return False
+        if self.lm_head.tp_size == 1:
+            head = self.lm_head.tied_to or self.lm_head
+            self.model.native.attach_head(head.packed, self.model.embed_tokens.packed)
+        return True
+
+    @property
+    def generate_rows(self) -> int:
+        """Sequences `generate` takes at once (0: it cannot run here)."""
+        return self.model.native.generate_rows if self.model.native is not None else 0
+
+    def generate(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables, lens
+    ) -> torch.Tensor:
+        """Greedy decode steps of each sequence in one native call: input_ids [m] each sequence's newest
+        token; positions, slots, lens [steps, m]; tables [m, max_blocks]. Returns the tokens [steps, m],
+        those `compute_logits` and a greedy sampler would give step by step."""
+        hidden = self.model.embed_tokens(input_ids).contiguous()
+        return self.model.native.generate(hidden, positions, slots, tables, lens)
+
     def load_weights(self, weights: Iterable[tuple[str, Weight]]) -> None:
         """Loads checkpoint tensors (Hugging Face names; quantized linear weights as `kernels.quantized`
         forms under `<layer>.weight`). Layers that pack their weights check for missing parts in

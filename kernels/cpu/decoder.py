@@ -4,7 +4,9 @@ Decode steps and speculative verification run a handful of tokens through every 
 is some 300 calls a step, each converting arguments and allocating outputs, which at batch 1 cost as much
 as the attention. `NativeDecoder` describes the model once (packed weights, norms, caches, rotary tables),
 allocates its scratch once, and runs all layers in one call, through the same kernels in the same order as
-the layer-by-layer path, so both give the same bits.
+the layer-by-layer path, so both give the same bits. Given the LM head and the embeddings (`attach_head`),
+`generate` runs several greedy decode steps in one call, each step's tokens chosen as the sampler chooses
+them.
 """
 
 from __future__ import annotations
@@ -39,6 +41,10 @@ class _Linear(ctypes.Structure):
         ("fma_rows", ctypes.c_int),
         ("amx_rows", ctypes.c_int),
     ]
+
+
+class _Rows(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int), ("weight", ctypes.c_void_p)]
 
 
 class _Layer(ctypes.Structure):
@@ -151,32 +157,50 @@ class NativeDecoder:
             )
         ]
         self.fn = function("decoder_forward", i32, ptr, ptr, i32, ptr, ptr, ptr, i32, ptr, *[ptr] * 6, i32)
+        self.generate_fn = function(
+            "decoder_generate", i32, ptr, ptr, ptr, ptr, i32, i32, ptr, ptr, ptr, i32, ptr, *[ptr] * 9, i32
+        )
+        self.generate_rows = 0  # sequences `generate` takes at once; set by `attach_head`
+
+    def _op(self, packed: PackedLinear, bias: torch.Tensor | None = None) -> _Linear:
+        if bias is not None:
+            self._keep.append(bias)
+        weight = packed.small
+        return _Linear(
+            _KINDS[type(weight)],
+            weight.desc_ptr,
+            None if bias is None else bias.data_ptr(),
+            packed.out_features,
+            int(min(packed.small_rows, _MAX_ROWS)),
+            _fma_rows(),
+            _amx_rows(),
+        )
 
     def _layer(self, layer: DecoderLayer) -> _Layer:
-        def op(packed: PackedLinear, bias: torch.Tensor | None = None) -> _Linear:
-            if bias is not None:
-                self._keep.append(bias)
-            weight = packed.small
-            return _Linear(
-                _KINDS[type(weight)],
-                weight.desc_ptr,
-                None if bias is None else bias.data_ptr(),
-                packed.out_features,
-                int(min(packed.small_rows, _MAX_ROWS)),
-                _fma_rows(),
-                _amx_rows(),
-            )
-
         return _Layer(
             layer.input_norm.data_ptr(),
             layer.post_norm.data_ptr(),
-            op(layer.qkv, layer.qkv_bias),
-            op(layer.o),
-            op(layer.gate_up),
-            op(layer.down),
+            self._op(layer.qkv, layer.qkv_bias),
+            self._op(layer.o),
+            self._op(layer.gate_up),
+            self._op(layer.down),
             layer.k_cache.data_ptr(),
             layer.v_cache.data_ptr(),
         )
+
+    def attach_head(self, head: PackedLinear, embed: PackedLinear) -> None:
+        """The LM head and the embeddings `generate` runs through, where both are on native kernels as
+        `linear` and `embedding` run them; `generate_rows` then says how many sequences it takes at once."""
+        rows = getattr(embed.rows, "__self__", None)
+        if (
+            type(rows) not in _KINDS
+            or getattr(rows, "perm", None) is not None
+            or embed.in_features != self.hidden
+        ):
+            return
+        self._head, self._embed = self._op(head), _Rows(_KINDS[type(rows)], rows.desc_ptr)
+        self.vocab = head.out_features
+        self.generate_rows = min(self.max_rows, native_rows(head))
 
     def forward(
         self,
@@ -205,3 +229,43 @@ class NativeDecoder:
         if status != 0:
             raise RuntimeError(f"native decoder failed with status {status} (a cache slot out of range?)")
         return hidden
+
+    def generate(
+        self,
+        hidden: torch.Tensor,  # [m, hidden] bf16 embeddings of the first step's tokens; overwritten
+        positions: torch.Tensor,  # [steps, m] int64
+        slots: torch.Tensor,  # [steps, m] int64
+        tables: torch.Tensor,  # [m, max_blocks] int32 block table of each sequence
+        lens: torch.Tensor,  # [steps, m] int32
+    ) -> torch.Tensor:
+        """Greedy decode steps of m sequences in one call (csrc/decoder.c: decoder_generate); returns each
+        step's tokens, [steps, m] int64."""
+        steps, m = positions.shape
+        if not 0 < m <= self.generate_rows:
+            raise ValueError(f"generate takes 1 to {self.generate_rows} sequences, got {m}.")
+        tables = tables.to(torch.int32).contiguous()
+        tokens = torch.empty(steps, m, dtype=torch.int64)
+        logits, wide = torch.empty(m, self.vocab, dtype=BF16), torch.empty(m, self.vocab)
+        positions, slots = positions.contiguous(), slots.contiguous()
+        lens = lens.to(torch.int32).contiguous()
+        status = self.generate_fn(
+            ctypes.addressof(self.desc),
+            ctypes.addressof(self._head),
+            ctypes.addressof(self._embed),
+            hidden.data_ptr(),
+            m,
+            steps,
+            positions.data_ptr(),
+            slots.data_ptr(),
+            tables.data_ptr(),
+            tables.shape[1],
+            lens.data_ptr(),
+            tokens.data_ptr(),
+            logits.data_ptr(),
+            wide.data_ptr(),
+            *(t.data_ptr() for t in self.scratch),
+            torch.get_num_threads(),
+        )
+        if status != 0:
+            raise RuntimeError(f"native decoder failed with status {status} (a cache slot out of range?)")
+        return tokens

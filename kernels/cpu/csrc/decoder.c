@@ -1,5 +1,5 @@
 /* A Llama-family decoder's forward pass for a few tokens (decode steps, speculative drafts), bf16, all layers
- * in one call.
+ * in one call; and several greedy decode steps in one call (decoder_generate).
  *
  * At batch 1 a decode step reads every weight once; the arithmetic is the kernels' (linear_bf16.c,
  * linear_quant.c, paged_decode.c, fused_ops.c, kv_store.c). What one call saves is the interpreter: a step
@@ -27,6 +27,9 @@ void rotary_bf16(uint16_t *x, long row_stride, const int64_t *positions, const f
                  int tokens, int heads, int head_dim, int num_threads);
 int store_kv(const char *k, long k_stride, const char *v, long v_stride, char *k_cache, char *v_cache,
              const int64_t *slots, int tokens, long num_slots, int row_bytes);
+int bf16_rows(const struct bf16_weight *w, const int64_t *ids, int count, int k_in, uint16_t *out);
+int quant_rows(const struct qweight *w, const int64_t *ids, int count, int is_bf16, void *out, int num_threads);
+void argmax_rows_f32(const float *x, int rows, int cols, int64_t *out, int num_threads);
 int paged_decode(const void *q, long q_stride, const void *k_cache, const void *v_cache, const int32_t *block_tables,
                  int max_blocks, const int32_t *seq_lens, void *out, int batch, int heads, int kv_heads, int head_dim,
                  int block_size, int is_bf16, float scale, int num_threads);
@@ -42,6 +45,12 @@ struct linear_op {
      * (fma_rows, amx_rows as for a dense copy), as kernels/cpu/linear.py sends them. Where it sends them
      * elsewhere, the decoder takes no step of more rows (kernels/cpu/decoder.py: native_rows). */
     int native_rows, fma_rows, amx_rows;
+};
+
+/* The packed weight whose rows are the token embeddings (kernels/cpu/linear.py's `rows`). */
+struct rows_op {
+    int kind;
+    const void *weight;
 };
 
 struct decoder_layer {
@@ -134,5 +143,39 @@ int decoder_forward(const struct decoder *d, uint16_t *hidden, int m, const int6
     }
     add_rms_norm_bf16(hidden, residual, residual, d->final_norm, normed, m, H, d->eps, threads);
     memcpy(hidden, normed, sizeof(uint16_t) * m * H);
+    return 0;
+}
+
+/* `steps` greedy decode steps of m sequences in one call: each step runs decoder_forward, the LM head (`head`),
+ * the argmax of each row's logits as the sampler takes it (the bf16 logits widened to fp32, the first
+ * maximum) and the lookup of the chosen tokens' embeddings (`embed`), which are the next step's input.
+ * Between steps Python would otherwise build inputs, sample and append tokens: at batch 1 that is a tenth of
+ * a step, most of it spent refetching its own code and data, which the step's stream of weights evicted.
+ *
+ * hidden [m, H]: the first step's embeddings. positions, slots, lens: [steps, m], each step's as
+ * decoder_forward takes them; tables [m, max_blocks] serve every step. tokens [steps, m] out. Scratch: logits
+ * [m, vocab] bf16, wide [m, vocab] fp32, then decoder_forward's. Returns 0, or the first failing kernel's
+ * status. */
+int decoder_generate(const struct decoder *d, const struct linear_op *head, const struct rows_op *embed,
+                     uint16_t *hidden, int m, int steps, const int64_t *positions, const int64_t *slots,
+                     const int32_t *tables, int max_blocks, const int32_t *lens, int64_t *tokens, uint16_t *logits,
+                     float *wide, uint16_t *residual, uint16_t *normed, uint16_t *qkv, uint16_t *attn,
+                     uint16_t *gate_up, uint16_t *act, int threads) {
+    long vocab = head->out_features, cells = vocab * m;
+    long argmax_threads = cells >> 18; /* as kernels/cpu/sampling.py's argmax threads it */
+    argmax_threads = argmax_threads < 1 ? 1 : argmax_threads > threads ? threads : argmax_threads;
+    argmax_threads = argmax_threads > m ? m : argmax_threads;
+    for (int s = 0; s < steps; s++) {
+        long at = (long)s * m;
+        int status = decoder_forward(d, hidden, m, positions + at, slots + at, tables, max_blocks, lens + at,
+                                     residual, normed, qkv, attn, gate_up, act, threads);
+        if (status || (status = linear(head, hidden, d->hidden, m, logits, threads))) return status;
+        for (long i = 0; i < cells; i++) wide[i] = bf16_to_float(logits[i]);
+        argmax_rows_f32(wide, m, (int)vocab, tokens + at, (int)argmax_threads);
+        if (s + 1 == steps) break;
+        status = embed->kind == LINEAR_BF16 ? bf16_rows(embed->weight, tokens + at, m, d->hidden, hidden)
+                                            : quant_rows(embed->weight, tokens + at, m, 1, hidden, threads);
+        if (status) return status;
+    }
     return 0;
 }
