@@ -33,6 +33,7 @@ class ModelConfigAdmin(admin.ModelAdmin):
                     "quantization",
                     "tensor_parallel_size",
                     "speculative_config",
+                    "num_scheduler_steps",
                     "max_model_len",
                     "block_size",
                     "max_num_seqs",

@@ -7,7 +7,7 @@ import re
 import secrets
 from typing import Any
 
-from django.core.validators import MinValueValidator, RegexValidator
+from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 from django.db import models
 from django.utils import timezone
 from django.utils.translation import gettext_lazy as _
@@ -84,6 +84,15 @@ class ModelConfig(models.Model):
             '"prompt_lookup_max": 4}; empty = off.'
         ),
     )
+    num_scheduler_steps = models.PositiveSmallIntegerField(
+        _("decode steps per call"),
+        default=1,
+        validators=[MinValueValidator(1), MaxValueValidator(64)],
+        help_text=_(
+            "vLLM's num_scheduler_steps: while every running request decodes greedily, this many steps "
+            "run in one native call (CPU), and tokens stream in bursts of as many; 1 = off."
+        ),
+    )
     dtype = models.CharField(_("dtype"), max_length=10, choices=DType.choices, default=DType.AUTO)
     max_model_len = models.PositiveIntegerField(
         _("max model length"), null=True, blank=True, help_text=_("Context length; empty = the model's own.")
@@ -144,6 +153,8 @@ class ModelConfig(models.Model):
             args["tensor_parallel_size"] = self.tensor_parallel_size
         if self.speculative_config:
             args["speculative_config"] = self.speculative_config
+        if self.num_scheduler_steps != 1:
+            args["num_scheduler_steps"] = self.num_scheduler_steps
         return args
 
     def clean(self) -> None:

@@ -235,7 +235,7 @@ def test_engine_command_line_from_model_config() -> None:
 
 
 @pytest.mark.django_db
-def test_quantization_chosen_in_the_admin_reaches_the_serve_command_line(admin_client) -> None:
+def test_quantization_and_decode_steps_chosen_in_the_admin_reach_the_serve_command_line(admin_client) -> None:
     from io import StringIO
 
     from inference_engine.__main__ import build_parser
@@ -256,6 +256,7 @@ def test_quantization_chosen_in_the_admin_reaches_the_serve_command_line(admin_c
         "kv_cache_memory_bytes": "",
         "gpu_memory_utilization": "0.9",
         "enable_prefix_caching": "on",
+        "num_scheduler_steps": "8",
     }
     response = admin_client.post(reverse("admin:llmserve_modelconfig_add"), form)
     assert response.status_code == 302, response.content.decode()[:2000]
@@ -264,9 +265,9 @@ def test_quantization_chosen_in_the_admin_reaches_the_serve_command_line(admin_c
     with override_settings(LLMSERVE={"REDIS_URL": "redis://127.0.0.1:7000/0"}):
         call_command("llmserve_engine", "smol-awq", "--print", stdout=out)
     cmd = out.getvalue().split()
-    assert "--quantization awq" in " ".join(cmd)
+    assert "--quantization awq" in " ".join(cmd) and "--num-scheduler-steps 8" in " ".join(cmd)
     args = build_parser().parse_args(cmd[cmd.index("serve") :])
-    assert (args.model, args.quantization) == ("/models/smol-awq", "awq")
+    assert (args.model, args.quantization, args.num_scheduler_steps) == ("/models/smol-awq", "awq", 8)
 
 
 def test_settings_accessor_follows_override_settings() -> None:

@@ -70,6 +70,7 @@ def test_engine_of_an_admin_hub_model_resolves_it_offline(admin_client, tmp_path
         "kv_cache_memory_bytes": str(32 * 2**20),
         "gpu_memory_utilization": "0.9",
         "enable_prefix_caching": "on",
+        "num_scheduler_steps": "1",
     }
     reply = admin_client.post(reverse("admin:llmserve_modelconfig_add"), form)
     assert reply.status_code == 302, reply.content.decode()[-2000:]
