@@ -1,10 +1,12 @@
 """One user at a time: time per output token at batch 1, 2, 4 and 8 and time to first token, our engine and
 llama.cpp's server taking turns on the same bf16 GGUF file (the bundled model's weights, dequantized once).
 
-    .venv/bin/python -m benchmarks.latency [--threads 2] [--repeats 3] [--quantized]
+    .venv/bin/python -m benchmarks.latency [--threads 2] [--repeats 3] [--quantized] [--num-scheduler-steps 8]
 
 Both sides generate 128 tokens per request (ignore_eos, greedy). Time per output token is the time from a
-request's first token to its last over 127; time to first token is measured for a 30-token and a
+request's first token to its last over 127, for our engine both step by step and with
+`--num-scheduler-steps` decode steps a call (default 8; the same engine, switched between runs); time to first
+token is measured for a 30-token and a
 1,000-token prompt, offline (in-process `LLM`) and through the whole HTTP stack (daphne, bus, engine: a
 streamed `/v1/completions`) against llama.cpp's streamed `/completion`. The weights floor is the time to
 read the model's weights once at the bandwidth measured in the same run: before the runs and again before each
@@ -46,7 +48,9 @@ def prompt_of(tokens: int, tokenizer) -> str:
 # ------------------------------------------------------------------------------------------- our engine
 
 
-def engine_tpot(llm: LLM, batch: int) -> float:
+def engine_tpot(llm: LLM, batch: int, steps: int = 1) -> float:
+    """`steps`: the engine's num_scheduler_steps for this run (read by every engine step)."""
+    llm.llm_engine.config.num_scheduler_steps = steps
     prompts = [f"{i}. " + SENTENCE for i in range(batch)]
     outputs = llm.generate(
         prompts, SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True), use_tqdm=False
@@ -107,6 +111,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quantized", action="store_true", help="both sides on the bundled Q4_1 file")
     parser.add_argument("--skip-http", action="store_true")
+    parser.add_argument(
+        "--num-scheduler-steps", type=int, default=8, help="our multi-step runs' steps a call"
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -132,6 +139,7 @@ def main() -> None:
         "read_bandwidth_gbs": bandwidth / 1e9,
         "weights_floor_ms": 1000 * weights / bandwidth,
         "ours": {"tpot_ms": {}, "ttft_offline_ms": {}, "ttft_http_ms": {}},
+        "ours_multi_step": {"num_scheduler_steps": args.num_scheduler_steps, "tpot_ms": {}},
         "llamacpp": {"tpot_ms": {}, "ttft_http_ms": {}},
     }
     try:
@@ -143,29 +151,35 @@ def main() -> None:
         server, result["llamacpp"] = None, {"skipped": str(exc)}
     try:
         llm.generate(["warm up"], SamplingParams(max_tokens=8), use_tqdm=False)
-        paired = []  # batch 1: (time per token, the floor read just before it)
+        # batch 1: each of our runs' (time per token, the floor read just before it), both ways
+        paired: dict[str, list[tuple[float, float]]] = {"ours": [], "ours_multi_step": []}
         for batch in BATCHES:  # alternating, best of the repeats for each side
-            ours, theirs = [], []
+            times: dict[str, list[float]] = {"ours": [], "ours_multi_step": [], "llamacpp": []}
             for _ in range(args.repeats):
-                floor_now = weights / measure_read_bandwidth(torch.device("cpu")) if batch == 1 else None
-                ours.append(engine_tpot(llm, batch))
-                if batch == 1:
-                    paired.append((ours[-1], floor_now))
+                for name, steps in (("ours", 1), ("ours_multi_step", args.num_scheduler_steps)):
+                    floor_now = weights / measure_read_bandwidth(torch.device("cpu")) if batch == 1 else None
+                    times[name].append(engine_tpot(llm, batch, steps))
+                    if batch == 1:
+                        paired[name].append((times[name][-1], floor_now))
                 if server is not None:
-                    theirs.append(llamacpp_tpot(server, batch))
-            result["ours"]["tpot_ms"][batch] = 1000 * min(ours)
-            if server is not None:
-                result["llamacpp"]["tpot_ms"][batch] = 1000 * min(theirs)
+                    times["llamacpp"].append(llamacpp_tpot(server, batch))
+            for name, runs in times.items():
+                if runs:
+                    result[name]["tpot_ms"][batch] = 1000 * min(runs)
             print(
-                f"batch {batch}: ours {1000 * min(ours):.2f} ms/token"
-                + (f", llama.cpp {1000 * min(theirs):.2f}" if theirs else ""),
+                f"batch {batch}: " + ", ".join(f"{n} {1000 * min(t):.2f}" for n, t in times.items() if t),
                 flush=True,
             )
-        floor = min([weights / bandwidth] + [f for _, f in paired])  # the fastest read of the run
+        llm.llm_engine.config.num_scheduler_steps = 1
+        # the fastest read of the run
+        floor = min([weights / bandwidth] + [f for runs in paired.values() for _, f in runs])
         result["weights_floor_ms"], result["read_bandwidth_gbs"] = 1000 * floor, weights / floor / 1e9
         result["b1_over_floor"] = {
-            "best_over_fastest_floor": min(t for t, _ in paired) / floor,
-            "each_over_the_floor_read_before_it": [t / f for t, f in paired],
+            name: {
+                "best_over_fastest_floor": min(t for t, _ in runs) / floor,
+                "each_over_the_floor_read_before_it": [t / f for t, f in runs],
+            }
+            for name, runs in paired.items()
         }
         print(f"batch 1 over the weights floor: {json.dumps(result['b1_over_floor'])}", flush=True)
         for n, prompt in prompts.items():
@@ -232,10 +246,15 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for name, style in (("ours", "o-"), ("llamacpp", "s--")):
+    steps = result["ours_multi_step"]["num_scheduler_steps"]
+    for name, style, label in (
+        ("ours", "o-", "ours"),
+        ("ours_multi_step", "^-", f"ours, {steps} steps a call"),
+        ("llamacpp", "s--", "llama.cpp"),
+    ):
         tpot = result[name].get("tpot_ms") or {}
         if tpot:
-            left.plot(list(map(int, tpot)), list(tpot.values()), style, label=name)
+            left.plot(list(map(int, tpot)), list(tpot.values()), style, label=label)
     left.axhline(result["weights_floor_ms"], color="grey", linestyle=":", label="weights read once")
     left.set(
         xlabel="batch",
