@@ -149,8 +149,8 @@ int decoder_forward(const struct decoder *d, uint16_t *hidden, int m, const int6
 /* `steps` greedy decode steps of m sequences in one call: each step runs decoder_forward, the LM head (`head`),
  * the argmax of each row's logits as the sampler takes it (the bf16 logits widened to fp32, the first
  * maximum) and the lookup of the chosen tokens' embeddings (`embed`), which are the next step's input.
- * Between steps Python would otherwise build inputs, sample and append tokens: at batch 1 that is a tenth of
- * a step, most of it spent refetching its own code and data, which the step's stream of weights evicted.
+ * Between steps Python would otherwise build inputs, sample and append tokens, refetching its own code and
+ * data, which each step's stream of weights evicts from the caches.
  *
  * hidden [m, H]: the first step's embeddings. positions, slots, lens: [steps, m], each step's as
  * decoder_forward takes them; tables [m, max_blocks] serve every step. tokens [steps, m] out. Scratch: logits
