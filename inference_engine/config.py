@@ -34,8 +34,9 @@ class EngineConfig:
     nnodes: int = 1  # machines the ranks are spread over (the others run `python -m inference_engine worker`)
     # vLLM's form: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min"/"_max": n}
     speculative_config: dict | None = None
-    # Decode steps one engine step may run in one native call where every running sequence decodes greedily
-    # (vLLM's --num-scheduler-steps): less Python between tokens, which then stream in bursts.
+    # Decode steps one engine step may run in one native call while no other request waits and no running
+    # sequence edits its logits (vLLM's --num-scheduler-steps): less Python between tokens, which then
+    # stream in bursts.
     num_scheduler_steps: int = 1
     max_num_seqs: int = 256
     max_model_len: int | None = None  # None = the model's own context length

@@ -66,7 +66,8 @@ class LLMEngine:
             ngram = NgramConfig.from_dict(config.speculative_config, self.runner.device.type, quantized)
             self.proposer = NgramProposer(ngram, self.max_model_len)
         self.sampler = Sampler(self.tokenizer.eos_token_ids, config.seed)
-        self.structured = StructuredOutputs(self.tokenizer, loaded.config.vocab_size)
+        self.vocab_size = loaded.config.vocab_size  # the width of the model's logits
+        self.structured = StructuredOutputs(self.tokenizer, self.vocab_size)
         self.groups: dict[str, SequenceGroup] = {}
         self._preparing: dict[str, tuple[SequenceGroup, Future]] = {}  # waiting for their grammar
         self._refused: dict[str, EngineError] = {}  # dropped because their grammar failed to compile
@@ -255,7 +256,8 @@ class LLMEngine:
         ]
         masks = self.structured.fill_masks([seq.grammar for seq in constrained]) if constrained else None
         if burst:
-            tokens = self.runner.execute_burst(sched)
+            sampling = self.sampler.burst_parameters(sched.seqs, min(sched.num_new_tokens), self.vocab_size)
+            tokens = self.runner.execute_burst(sched, sampling)
             samples = [
                 (seq, [SampleResult(t, 0.0, None) for t in row])
                 for seq, row in zip(sched.seqs, tokens, strict=True)
@@ -307,8 +309,9 @@ class LLMEngine:
     def _plan_burst(self) -> bool:
         """Whether the coming step runs up to `num_scheduler_steps` decode steps in one native call (vLLM's
         multi-step scheduling), which spares the Python between steps: only where every running sequence
-        decodes greedily with nothing to report but its tokens, no other request waits (it would wait for
-        the whole burst), and the burst fits each sequence's max_tokens and context. Each sequence then holds
+        decodes with nothing that edits its logits (greedy or sampled, seeded or not) and nothing to report
+        but its tokens, no other request waits (it would wait for the whole burst), and the burst fits each
+        sequence's max_tokens and context. Each sequence then holds
         placeholder drafts, so the scheduler reserves the burst's slots and `_settle` gives back those past
         where the sequence ends."""
         steps, running = self.config.num_scheduler_steps, self.scheduler.running
@@ -328,7 +331,7 @@ class LLMEngine:
                 or seq.num_output_tokens == 0  # its first token may fork it (n > 1)
                 or seq.draft_token_ids
                 or seq.grammar is not None
-                or not Sampler.plain_greedy(seq)
+                or not Sampler.unedited(seq)
             ):
                 return False
             if seq.params.max_tokens is not None:

@@ -288,10 +288,13 @@ class ModelRunner:
         return self.model.generate_rows if self.workers is None and self.device.type == "cpu" else 0
 
     @torch.inference_mode()
-    def execute_burst(self, sched: SchedulerOutput) -> list[list[int]]:
-        """Greedy decode steps of every scheduled sequence in one native call, as many as the fewest tokens
+    def execute_burst(
+        self, sched: SchedulerOutput, sampling: tuple[torch.Tensor, ...] | None = None
+    ) -> list[list[int]]:
+        """Decode steps of every scheduled sequence in one native call, as many as the fewest tokens
         scheduled for one of them (its newest token, then placeholders that reserved the burst's slots);
-        each sequence's tokens, the ones `execute` and a greedy sampler would give step by step."""
+        each sequence's tokens, the ones `execute` and the sampler would give step by step. `sampling`:
+        `Sampler.burst_parameters`."""
         step = self.inputs.prepare(sched)
         steps = min(sched.num_new_tokens)
         first = step.meta.query_start_loc[:-1].long()
@@ -303,6 +306,7 @@ class ModelRunner:
             step.meta.slot_mapping[rows],
             step.meta.block_tables,
             positions + 1,
+            sampling,
         )
         return tokens.t().tolist()
 

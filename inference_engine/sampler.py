@@ -164,13 +164,37 @@ class Sampler:
                 return native
         return sample_rows(logits, md)
 
-    @staticmethod
-    def plain_greedy(seq: Sequence) -> bool:
+    def burst_parameters(
+        self, seqs: list[Sequence], steps: int, vocab_size: int
+    ) -> tuple[torch.Tensor, ...] | None:
+        """What a burst of `steps` decode steps of `seqs` samples with (`ModelRunner.execute_burst`): None
+        where every sequence is greedy, else each one's temperature, top_k, top_p and min_p, and every step's
+        uniforms [steps, len(seqs), 2], drawn from each generator as that many single steps draw them while
+        every sequence runs."""
+        if all(seq.params.greedy for seq in seqs):
+            return None
+        cpu = torch.device("cpu")
+        per_step = [
+            SamplingMetadata.build(
+                seqs, None, vocab_size, self.eos_token_ids, self.generator, self.history, cpu
+            )
+            for _ in range(steps)
+        ]
+        first = per_step[0]
+        uniforms = torch.stack([md.uniforms for md in per_step])
+        return first.temperature, first.top_k, first.top_p, first.min_p, uniforms
+
+    @classmethod
+    def plain_greedy(cls, seq: Sequence) -> bool:
         """Greedy with nothing that changes the logits first and no logprobs to report."""
+        return seq.params.greedy and cls.unedited(seq)
+
+    @staticmethod
+    def unedited(seq: Sequence) -> bool:
+        """Nothing changes the logits before the choice, and no logprobs to report."""
         params = seq.params
         return (
-            params.greedy
-            and params.logprobs is None
+            params.logprobs is None
             and not params.logit_bias
             and seq.num_output_tokens >= params.min_tokens
             and params.repetition_penalty == 1.0

@@ -89,8 +89,8 @@ class ModelConfig(models.Model):
         default=1,
         validators=[MinValueValidator(1), MaxValueValidator(64)],
         help_text=_(
-            "vLLM's num_scheduler_steps: while every running request decodes greedily, this many steps "
-            "run in one native call (CPU), and tokens stream in bursts of as many; 1 = off."
+            "vLLM's num_scheduler_steps: while no other request waits, this many decode steps run in one "
+            "native call (CPU), and tokens stream in bursts of as many; 1 = off."
         ),
     )
     dtype = models.CharField(_("dtype"), max_length=10, choices=DType.choices, default=DType.AUTO)

@@ -216,13 +216,20 @@ class LlamaForCausalLM(nn.Module):
         return self.model.native.generate_rows if self.model.native is not None else 0
 
     def generate(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables, lens
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        tables: torch.Tensor,
+        lens: torch.Tensor,
+        sampling: tuple[torch.Tensor, ...] | None = None,
     ) -> torch.Tensor:
-        """Greedy decode steps of each sequence in one native call: input_ids [m] each sequence's newest
-        token; positions, slots, lens [steps, m]; tables [m, max_blocks]. Returns the tokens [steps, m],
-        those `compute_logits` and a greedy sampler would give step by step."""
+        """Decode steps of each sequence in one native call: input_ids [m] each sequence's newest token;
+        positions, slots, lens [steps, m]; tables [m, max_blocks]; `sampling` as `NativeDecoder.generate`
+        takes it. Returns the tokens [steps, m], those `compute_logits` and the sampler would give step by
+        step."""
         hidden = self.model.embed_tokens(input_ids).contiguous()
-        return self.model.native.generate(hidden, positions, slots, tables, lens)
+        return self.model.native.generate(hidden, positions, slots, tables, lens, sampling)
 
     def load_weights(self, weights: Iterable[tuple[str, Weight]]) -> None:
         """Loads checkpoint tensors (Hugging Face names; quantized linear weights as `kernels.quantized`

@@ -5,8 +5,7 @@ is some 300 calls a step, each converting arguments and allocating outputs, whic
 as the attention. `NativeDecoder` describes the model once (packed weights, norms, caches, rotary tables),
 allocates its scratch once, and runs all layers in one call, through the same kernels in the same order as
 the layer-by-layer path, so both give the same bits. Given the LM head and the embeddings (`attach_head`),
-`generate` runs several greedy decode steps in one call, each step's tokens chosen as the sampler chooses
-them.
+`generate` runs several decode steps in one call, each step's tokens chosen as the sampler chooses them.
 """
 
 from __future__ import annotations
@@ -45,6 +44,13 @@ class _Linear(ctypes.Structure):
 
 class _Rows(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int), ("weight", ctypes.c_void_p)]
+
+
+class _Sampling(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_void_p)
+        for name in ("temperature", "top_k", "top_p", "min_p", "draft", "uniforms", "accepted")
+    ]
 
 
 class _Layer(ctypes.Structure):
@@ -158,7 +164,7 @@ class NativeDecoder:
         ]
         self.fn = function("decoder_forward", i32, ptr, ptr, i32, ptr, ptr, ptr, i32, ptr, *[ptr] * 6, i32)
         self.generate_fn = function(
-            "decoder_generate", i32, ptr, ptr, ptr, ptr, i32, i32, ptr, ptr, ptr, i32, ptr, *[ptr] * 9, i32
+            "decoder_generate", i32, *[ptr] * 5, i32, i32, ptr, ptr, ptr, i32, ptr, *[ptr] * 9, i32
         )
         self.generate_rows = 0  # sequences `generate` takes at once; set by `attach_head`
 
@@ -237,9 +243,12 @@ class NativeDecoder:
         slots: torch.Tensor,  # [steps, m] int64
         tables: torch.Tensor,  # [m, max_blocks] int32 block table of each sequence
         lens: torch.Tensor,  # [steps, m] int32
+        sampling: tuple[torch.Tensor, ...] | None = None,
     ) -> torch.Tensor:
-        """Greedy decode steps of m sequences in one call (csrc/decoder.c: decoder_generate); returns each
-        step's tokens, [steps, m] int64."""
+        """Decode steps of m sequences in one call (csrc/decoder.c: decoder_generate); returns each step's
+        tokens, [steps, m] int64. `sampling`: None where every sequence is greedy, else each sequence's
+        temperature (f32, 0 for greedy), top_k (i32), top_p and min_p (f32) as `sampling.sample` takes them,
+        and every step's uniforms, [steps, m, 2] f64."""
         steps, m = positions.shape
         if not 0 < m <= self.generate_rows:
             raise ValueError(f"generate takes 1 to {self.generate_rows} sequences, got {m}.")
@@ -248,10 +257,20 @@ class NativeDecoder:
         logits, wide = torch.empty(m, self.vocab, dtype=BF16), torch.empty(m, self.vocab)
         positions, slots = positions.contiguous(), slots.contiguous()
         lens = lens.to(torch.int32).contiguous()
+        draws = None
+        if sampling is not None:
+            *per_row, uniforms = sampling
+            if uniforms.shape != (steps, m, 2) or uniforms.dtype != torch.float64:
+                raise ValueError(f"uniforms must be [{steps}, {m}, 2] float64.")
+            keep = [t.contiguous() for t in per_row]
+            keep += [torch.full((m,), -1, dtype=torch.int64), uniforms.contiguous()]
+            keep.append(torch.empty(m, dtype=torch.bool))
+            draws = _Sampling(*(t.data_ptr() for t in keep))
         status = self.generate_fn(
             ctypes.addressof(self.desc),
             ctypes.addressof(self._head),
             ctypes.addressof(self._embed),
+            None if draws is None else ctypes.addressof(draws),
             hidden.data_ptr(),
             m,
             steps,

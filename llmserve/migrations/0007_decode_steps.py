@@ -14,6 +14,6 @@ class Migration(migrations.Migration):
         migrations.AddField(
             model_name='modelconfig',
             name='num_scheduler_steps',
-            field=models.PositiveSmallIntegerField(default=1, help_text="vLLM's num_scheduler_steps: while every running request decodes greedily, this many steps run in one native call (CPU), and tokens stream in bursts of as many; 1 = off.", validators=[django.core.validators.MinValueValidator(1), django.core.validators.MaxValueValidator(64)], verbose_name='decode steps per call'),
+            field=models.PositiveSmallIntegerField(default=1, help_text="vLLM's num_scheduler_steps: while no other request waits, this many decode steps run in one native call (CPU), and tokens stream in bursts of as many; 1 = off.", validators=[django.core.validators.MinValueValidator(1), django.core.validators.MaxValueValidator(64)], verbose_name='decode steps per call'),
         ),
     ]

@@ -1,7 +1,7 @@
-"""Multi-step scheduling (`num_scheduler_steps`): a burst of greedy decode steps in one native call gives
-the tokens, texts and finish reasons of single steps, whether a sequence stops within a burst (EOS, a stop
-string, max_tokens, the context's end) or not, and gives back every KV block; requests a burst cannot
-serve (sampled, with logprobs) decode step by step."""
+"""Multi-step scheduling (`num_scheduler_steps`): a burst of decode steps in one native call gives the
+tokens, texts and finish reasons of single steps, greedy and seeded sampled sequences alike, whether a
+sequence stops within a burst (EOS, a stop string, max_tokens, the context's end) or not, and gives back
+every KV block; requests a burst cannot serve (logprobs, penalties) decode step by step."""
 
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ def _counted_bursts(llm: LLM) -> list[int]:
     runner, steps = llm.llm_engine.runner, []
     execute_burst = runner.execute_burst
 
-    def counted(sched):
-        tokens = execute_burst(sched)
+    def counted(sched, sampling):
+        tokens = execute_burst(sched, sampling)
         steps.append(len(tokens[0]))
         return tokens
 
@@ -43,6 +43,10 @@ def _params() -> list[SamplingParams]:
     params = [greedy(max_tokens) for max_tokens in (40, 13, 21, 6)] * 4
     params[11] = greedy(40, stop=["34"])  # "1, 1, 2, 3, 5, 8, 13," goes on to 34 within the first burst
     params[15] = greedy(None)  # the longest prompt (64 tokens), on to the end of the context
+    # Seeded samples, which draw from generators of their own (unseeded ones share the engine's, whose draws
+    # a sequence that ends within a burst shifts for the others).
+    params[1] = SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=30)
+    params[2] = SamplingParams(temperature=1.2, top_k=20, min_p=0.05, seed=2, max_tokens=23, ignore_eos=True)
     return params
 
 
@@ -68,9 +72,9 @@ def test_bursts_give_the_tokens_of_single_steps(quantization):
 def test_requests_a_burst_cannot_serve_decode_step_by_step():
     bursty = LLM(dtype="bfloat16", kv_cache_memory_bytes=1 << 27, num_scheduler_steps=8)
     steps = _counted_bursts(bursty)
-    sampled = SamplingParams(temperature=0.8, seed=3, max_tokens=24, ignore_eos=True)
+    penalised = SamplingParams(temperature=0.8, seed=3, max_tokens=24, ignore_eos=True, presence_penalty=0.5)
     with_logprobs = greedy(24, logprobs=1, ignore_eos=True)
-    for other in (sampled, with_logprobs):
+    for other in (penalised, with_logprobs):
         bursty.generate(PROMPTS[:2], [greedy(24, ignore_eos=True), other], use_tqdm=False)
         assert steps == []  # a greedy sequence beside it decodes step by step too
     bursty.generate(PROMPTS[:2], greedy(24, ignore_eos=True), use_tqdm=False)

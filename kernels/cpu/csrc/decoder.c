@@ -30,6 +30,9 @@ int store_kv(const char *k, long k_stride, const char *v, long v_stride, char *k
 int bf16_rows(const struct bf16_weight *w, const int64_t *ids, int count, int k_in, uint16_t *out);
 int quant_rows(const struct qweight *w, const int64_t *ids, int count, int is_bf16, void *out, int num_threads);
 void argmax_rows_f32(const float *x, int rows, int cols, int64_t *out, int num_threads);
+void sample_rows_f32(const float *logits, int rows, int vocab, const float *temperature, const int32_t *top_k,
+                     const float *top_p, const float *min_p, const int64_t *draft, const double *uniforms,
+                     int64_t *tokens, uint8_t *accepted, int num_threads);
 int paged_decode(const void *q, long q_stride, const void *k_cache, const void *v_cache, const int32_t *block_tables,
                  int max_blocks, const int32_t *seq_lens, void *out, int batch, int heads, int kv_heads, int head_dim,
                  int block_size, int is_bf16, float scale, int num_threads);
@@ -51,6 +54,17 @@ struct linear_op {
 struct rows_op {
     int kind;
     const void *weight;
+};
+
+/* What a burst samples with where a sequence samples: per sequence, sample_rows_f32's parameters (draft all
+ * -1), the uniforms of every step [steps, m, 2], and scratch for the acceptance flags. */
+struct burst_sampling {
+    const float *temperature;
+    const int32_t *top_k;
+    const float *top_p, *min_p;
+    const int64_t *draft;
+    const double *uniforms;
+    uint8_t *accepted;
 };
 
 struct decoder_layer {
@@ -146,9 +160,10 @@ int decoder_forward(const struct decoder *d, uint16_t *hidden, int m, const int6
     return 0;
 }
 
-/* `steps` greedy decode steps of m sequences in one call: each step runs decoder_forward, the LM head (`head`),
- * the argmax of each row's logits as the sampler takes it (the bf16 logits widened to fp32, the first
- * maximum) and the lookup of the chosen tokens' embeddings (`embed`), which are the next step's input.
+/* `steps` decode steps of m sequences in one call: each step runs decoder_forward, the LM head (`head`), the
+ * sampler's choice of each row's token (over the bf16 logits widened to fp32: the argmax where every sequence
+ * is greedy, else sample_rows_f32 with `sampling`, as a step of greedy and sampled rows takes them) and the
+ * lookup of the chosen tokens' embeddings (`embed`), which are the next step's input.
  * Between steps Python would otherwise build inputs, sample and append tokens, refetching its own code and
  * data, which each step's stream of weights evicts from the caches.
  *
@@ -157,21 +172,27 @@ int decoder_forward(const struct decoder *d, uint16_t *hidden, int m, const int6
  * [m, vocab] bf16, wide [m, vocab] fp32, then decoder_forward's. Returns 0, or the first failing kernel's
  * status. */
 int decoder_generate(const struct decoder *d, const struct linear_op *head, const struct rows_op *embed,
-                     uint16_t *hidden, int m, int steps, const int64_t *positions, const int64_t *slots,
+                     const struct burst_sampling *sampling, uint16_t *hidden, int m, int steps,
+                     const int64_t *positions, const int64_t *slots,
                      const int32_t *tables, int max_blocks, const int32_t *lens, int64_t *tokens, uint16_t *logits,
                      float *wide, uint16_t *residual, uint16_t *normed, uint16_t *qkv, uint16_t *attn,
                      uint16_t *gate_up, uint16_t *act, int threads) {
     long vocab = head->out_features, cells = vocab * m;
-    long argmax_threads = cells >> 18; /* as kernels/cpu/sampling.py's argmax threads it */
-    argmax_threads = argmax_threads < 1 ? 1 : argmax_threads > threads ? threads : argmax_threads;
-    argmax_threads = argmax_threads > m ? m : argmax_threads;
+    long choice_threads = cells >> 18; /* as kernels/cpu/sampling.py threads its kernels */
+    choice_threads = choice_threads < 1 ? 1 : choice_threads > threads ? threads : choice_threads;
+    choice_threads = choice_threads > m ? m : choice_threads;
     for (int s = 0; s < steps; s++) {
         long at = (long)s * m;
         int status = decoder_forward(d, hidden, m, positions + at, slots + at, tables, max_blocks, lens + at,
                                      residual, normed, qkv, attn, gate_up, act, threads);
         if (status || (status = linear(head, hidden, d->hidden, m, logits, threads))) return status;
         for (long i = 0; i < cells; i++) wide[i] = bf16_to_float(logits[i]);
-        argmax_rows_f32(wide, m, (int)vocab, tokens + at, (int)argmax_threads);
+        if (sampling)
+            sample_rows_f32(wide, m, (int)vocab, sampling->temperature, sampling->top_k, sampling->top_p,
+                            sampling->min_p, sampling->draft, sampling->uniforms + 2 * at, tokens + at,
+                            sampling->accepted, (int)choice_threads);
+        else
+            argmax_rows_f32(wide, m, (int)vocab, tokens + at, (int)choice_threads);
         if (s + 1 == steps) break;
         status = embed->kind == LINEAR_BF16 ? bf16_rows(embed->weight, tokens + at, m, d->hidden, hidden)
                                             : quant_rows(embed->weight, tokens + at, m, 1, hidden, threads);
