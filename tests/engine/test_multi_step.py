@@ -41,7 +41,7 @@ def _params() -> list[SamplingParams]:
     """A mix that ends sequences at every point of a burst: max_tokens not a multiple of it, EOS (the chat
     turn answers in a few tokens), a stop string, the context's end."""
     params = [greedy(max_tokens) for max_tokens in (40, 13, 21, 6)] * 4
-    params[11] = greedy(40, stop=["34"])  # "1, 1, 2, 3, 5, 8, 13," goes on to 34 within the first burst
+    params[11] = greedy(40, stop=[","])  # "1, 1, 2, 3, 5, 8, 13," goes on with a number and a comma
     params[15] = greedy(None)  # the longest prompt (64 tokens), on to the end of the context
     # Seeded samples, which draw from generators of their own (unseeded ones share the engine's, whose draws
     # a sequence that ends within a burst shifts for the others).
@@ -60,9 +60,13 @@ def test_bursts_give_the_tokens_of_single_steps(quantization):
     for a, b in zip(expected, got, strict=True):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids, a.prompt
         assert b.outputs[0].text == a.outputs[0].text
-        assert b.outputs[0].finish_reason == a.outputs[0].finish_reason
-    reasons = {o.outputs[0].finish_reason for o in expected}
-    assert reasons == {"stop", "length"}
+        assert (b.outputs[0].finish_reason, b.outputs[0].stop_reason) == (
+            a.outputs[0].finish_reason,
+            a.outputs[0].stop_reason,
+        )
+    ends = [(o.outputs[0].finish_reason, o.outputs[0].stop_reason, len(o.outputs[0].token_ids)) for o in got]
+    assert ends[11][:2] == ("stop", ",") and 1 < ends[11][2] < 9  # the stop string, within the first burst
+    assert any(reason == "stop" and stop is None and count > 1 for reason, stop, count in ends)  # EOS
     assert max(steps) == 8 and min(steps) < 8  # full bursts, and bursts cut short near a sequence's end
     assert len(expected[15].prompt_token_ids) + len(expected[15].outputs[0].token_ids) == MAX_MODEL_LEN
     assert_all_blocks_free(bursty)
