@@ -311,9 +311,8 @@ class LLMEngine:
         multi-step scheduling), which spares the Python between steps: only where every running sequence
         decodes with nothing that edits its logits (greedy or sampled, seeded or not) and nothing to report
         but its tokens, no other request waits (it would wait for the whole burst), and the burst fits each
-        sequence's max_tokens and context. Each sequence then holds
-        placeholder drafts, so the scheduler reserves the burst's slots and `_settle` gives back those past
-        where the sequence ends."""
+        sequence's max_tokens and context. Each sequence then holds placeholder drafts, so the scheduler
+        reserves the burst's slots and `_settle` gives back those past where the sequence ends."""
         steps, running = self.config.num_scheduler_steps, self.scheduler.running
         if (
             steps < 2
