@@ -4,17 +4,15 @@ llama.cpp's server taking turns on the same bf16 GGUF file (the bundled model's 
     .venv/bin/python -m benchmarks.latency [--threads 2] [--repeats 3] [--quantized] [--num-scheduler-steps 8]
 
 Both sides generate 128 tokens per request (ignore_eos, greedy). Time per output token is the time from a
-request's first token to its last over 127, for our engine both step by step and with
-`--num-scheduler-steps` decode steps a call (default 8; the same engine, switched between runs); time to first
-token is measured for a 30-token and a
-1,000-token prompt, offline (in-process `LLM`) and through the whole HTTP stack (daphne, bus, engine: a
-streamed `/v1/completions`) against llama.cpp's streamed `/completion`. The weights floor is the time to
-read the model's weights once at the bandwidth measured in the same run: before the runs and again before each
-batch-1 run, since a shared machine's bandwidth drifts from one minute to the next. The floor
-reported is the fastest of those reads, and batch 1 is given both as its best time over that floor and as
-each run over the floor read just before it. `--quantized` runs both sides on
-the bundled Q4_1 file instead. JSON and a PNG plot under benchmarks/results/; where llama.cpp cannot be
-built that half is skipped with a message.
+request's first token to its last over 127, for our engine both step by step and with `--num-scheduler-steps`
+decode steps a call (default 8; the same engine, switched between runs); time to first token is measured for a
+30-token and a 1,000-token prompt, offline (in-process `LLM`) and through the whole HTTP stack (daphne, bus,
+engine: a streamed `/v1/completions`) against llama.cpp's streamed `/completion`. The weights floor is the
+time to read the model's weights once at the bandwidth measured in the same run: before the runs and again
+before each batch-1 run, since a shared machine's bandwidth drifts from one minute to the next. The floor
+reported is the fastest of those reads, and batch 1 is given both as its best time over that floor and as each
+run over the floor read just before it. `--quantized` runs both sides on the bundled Q4_1 file instead. JSON
+and a PNG plot under benchmarks/results/; where llama.cpp cannot be built that half is skipped with a message.
 """
 
 from __future__ import annotations

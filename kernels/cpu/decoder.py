@@ -24,6 +24,7 @@ from kernels.cpu.linear import (
     _fma_rows,
     _QuantTiles,
 )
+from kernels.cpu.sampling import _threads as sampling_threads
 
 BF16 = torch.bfloat16
 _KINDS = {_BF16Tiles: 1, _QuantTiles: 2}
@@ -164,7 +165,7 @@ class NativeDecoder:
         ]
         self.fn = function("decoder_forward", i32, ptr, ptr, i32, ptr, ptr, ptr, i32, ptr, *[ptr] * 6, i32)
         self.generate_fn = function(
-            "decoder_generate", i32, *[ptr] * 5, i32, i32, ptr, ptr, ptr, i32, ptr, *[ptr] * 9, i32
+            "decoder_generate", i32, *[ptr] * 5, i32, i32, ptr, ptr, ptr, i32, ptr, *[ptr] * 9, i32, i32
         )
         self.generate_rows = 0  # sequences `generate` takes at once; set by `attach_head`
 
@@ -284,6 +285,7 @@ class NativeDecoder:
             wide.data_ptr(),
             *(t.data_ptr() for t in self.scratch),
             torch.get_num_threads(),
+            sampling_threads(m, self.vocab),
         )
         if status != 0:
             raise RuntimeError(f"native decoder failed with status {status} (a cache slot out of range?)")

@@ -1,5 +1,5 @@
 /* A Llama-family decoder's forward pass for a few tokens (decode steps, speculative drafts), bf16, all layers
- * in one call; and several greedy decode steps in one call (decoder_generate).
+ * in one call; and several decode steps in one call (decoder_generate).
  *
  * At batch 1 a decode step reads every weight once; the arithmetic is the kernels' (linear_bf16.c,
  * linear_quant.c, paged_decode.c, fused_ops.c, kv_store.c). What one call saves is the interpreter: a step
@@ -169,18 +169,15 @@ int decoder_forward(const struct decoder *d, uint16_t *hidden, int m, const int6
  *
  * hidden [m, H]: the first step's embeddings. positions, slots, lens: [steps, m], each step's as
  * decoder_forward takes them; tables [m, max_blocks] serve every step. tokens [steps, m] out. Scratch: logits
- * [m, vocab] bf16, wide [m, vocab] fp32, then decoder_forward's. Returns 0, or the first failing kernel's
- * status. */
+ * [m, vocab] bf16, wide [m, vocab] fp32, then decoder_forward's. choice_threads: the threads of the choice,
+ * as kernels/cpu/sampling.py gives its kernels. Returns 0, or the first failing kernel's status. */
 int decoder_generate(const struct decoder *d, const struct linear_op *head, const struct rows_op *embed,
                      const struct burst_sampling *sampling, uint16_t *hidden, int m, int steps,
                      const int64_t *positions, const int64_t *slots,
                      const int32_t *tables, int max_blocks, const int32_t *lens, int64_t *tokens, uint16_t *logits,
                      float *wide, uint16_t *residual, uint16_t *normed, uint16_t *qkv, uint16_t *attn,
-                     uint16_t *gate_up, uint16_t *act, int threads) {
+                     uint16_t *gate_up, uint16_t *act, int threads, int choice_threads) {
     long vocab = head->out_features, cells = vocab * m;
-    long choice_threads = cells >> 18; /* as kernels/cpu/sampling.py threads its kernels */
-    choice_threads = choice_threads < 1 ? 1 : choice_threads > threads ? threads : choice_threads;
-    choice_threads = choice_threads > m ? m : choice_threads;
     for (int s = 0; s < steps; s++) {
         long at = (long)s * m;
         int status = decoder_forward(d, hidden, m, positions + at, slots + at, tables, max_blocks, lens + at,
@@ -190,9 +187,9 @@ int decoder_generate(const struct decoder *d, const struct linear_op *head, cons
         if (sampling)
             sample_rows_f32(wide, m, (int)vocab, sampling->temperature, sampling->top_k, sampling->top_p,
                             sampling->min_p, sampling->draft, sampling->uniforms + 2 * at, tokens + at,
-                            sampling->accepted, (int)choice_threads);
+                            sampling->accepted, choice_threads);
         else
-            argmax_rows_f32(wide, m, (int)vocab, tokens + at, (int)choice_threads);
+            argmax_rows_f32(wide, m, (int)vocab, tokens + at, choice_threads);
         if (s + 1 == steps) break;
         status = embed->kind == LINEAR_BF16 ? bf16_rows(embed->weight, tokens + at, m, d->hidden, hidden)
                                             : quant_rows(embed->weight, tokens + at, m, 1, hidden, threads);
