@@ -334,10 +334,11 @@ def _amx_rows() -> int:
 
 @cache
 def _fma_rows() -> int:
-    """From how many rows a chunk of the bf16 kernel multiplies in fp32 FMAs rather than with vdpbf16ps
-    (0: never), timed once per machine. Both give the same bits; which is faster depends on the CPU: where
-    vdpbf16ps issues once every two cycles and FMAs twice a cycle, the FMAs win once enough rows share
-    each weight's conversion to fp32."""
+    """From how many rows the bf16 kernel multiplies in fp32 rather than pair by pair (0: never), timed once
+    per machine. Both give the same bits, and either wins once enough rows share each weight's conversion
+    to fp32: with AVX512-BF16, chunks of rows through FMAs beat vdpbf16ps where it issues once every two
+    cycles and FMAs twice; with AVX2, a step's rows against each tile converted once keep every sum in a
+    register, where the pair routine converts each pair again for every four rows."""
     fma_routine = function("linear_bf16_fma_routine", i32)
     if fma_routine is None or not fma_routine():
         return 0  # the kernel has no FMA routine here: nothing to time

@@ -31,8 +31,12 @@ ODD_SHAPES = [(45, 33), (1, 7), (100, 64)]
 LM_HEAD = (49152, 576)
 
 needs_native = pytest.mark.skipif(not available(), reason="no C compiler: the native kernels cannot build")
-needs_bf16 = pytest.mark.skipif(not cpu_linear.native_bf16(), reason="this CPU has no AVX512-BF16")
-needs_vnni = pytest.mark.skipif(not cpu_linear.native_quant(), reason="this CPU has no AVX512-VNNI")
+needs_bf16 = pytest.mark.skipif(
+    not cpu_linear.native_bf16(), reason="the bf16 kernel has no vector code for this CPU"
+)
+needs_vnni = pytest.mark.skipif(
+    not cpu_linear.native_quant(), reason="the quantized kernel has no vector code for this CPU"
+)
 needs_amx = pytest.mark.skipif(not cpu_linear.native_amx(), reason="no AMX here")
 needs_onednn = pytest.mark.skipif(not cpu_linear.prepacking_works(BF16), reason="no oneDNN prepacked linear")
 
@@ -109,7 +113,7 @@ def test_dense_bf16_routines_match_the_matmul(gen, routine, shape, rows):
 @pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
 def test_dense_bf16_bias_strided_rows_and_two_threads(gen, portable):
     if not portable and not cpu_linear.native_bf16():
-        pytest.skip("this CPU has no AVX512-BF16")
+        pytest.skip("the bf16 kernel has no vector code for this CPU")
     torch.set_num_threads(2)  # the tiles split between threads (restored by the conftest fixture)
     weight, bias = rand(gen, 200, 97), rand(gen, 200)
     wide = rand(gen, 7, 130)
@@ -374,7 +378,7 @@ def test_quantized_tiles_dequantized_to_bf16_give_the_bf16_kernels_bits(gen, fmt
     the weight dequantized to bf16, where the columns are in the checkpoint's order (act-order sums them in
     the stored order instead)."""
     if not portable and not cpu_linear.native_bf16():
-        pytest.skip("this CPU has no AVX512-BF16")
+        pytest.skip("the bf16 kernel has no vector code for this CPU")
     torch.set_num_threads(2)
     make, shapes = QUANT_FORMATS[fmt]
     (n, k) = shapes[-1]

@@ -319,11 +319,73 @@ static void tile_rows_avx2(const uint16_t *x, long ldx, int mr, const uint16_t *
         }
     }
 }
+
+/* For steps of many rows (a prompt's), the tile converted once to fp32, wf [k][TILE], and every row run
+ * against it in blocks of MR_FP32 rows by 16 outputs: 12 sums, 2 weight vectors and a broadcast of x fill the
+ * 16 ymm registers, so each weight load serves six rows and no register spills (tile_avx2 converts each pair
+ * again for every four rows and spills its broadcasts). The sums run over k in the same order as tile_avx2's,
+ * so both give the same bits. xf: the rows of x in fp32, row stride k. */
+#define MR_FP32 6
+
+static void tile_to_fp32_avx2(const uint16_t *w, int pairs, float *wf) {
+    const __m256i high_half = _mm256_set1_epi32((int)0xffff0000u);
+    for (int p = 0; p < pairs; p++)
+        for (int g = 0; g < 4; g++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(w + (long)p * 2 * TILE + 16 * g));
+            _mm256_store_ps(wf + (2L * p) * TILE + 8 * g, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+            _mm256_store_ps(wf + (2L * p + 1) * TILE + 8 * g, _mm256_castsi256_ps(_mm256_and_si256(v, high_half)));
+        }
+}
+
+static inline __attribute__((always_inline)) void block_fp32_avx2(const float *xf, long k, const int MR,
+                                                                  const float *wf, const uint16_t *bias,
+                                                                  uint16_t *out, long ldo, int valid) {
+    __m256 acc[MR_FP32][2];
+#pragma GCC unroll 6
+    for (int m = 0; m < MR; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    for (long c = 0; c < k; c++) {
+        __m256 w0 = _mm256_load_ps(wf + c * TILE), w1 = _mm256_load_ps(wf + c * TILE + 8);
+#pragma GCC unroll 6
+        for (int m = 0; m < MR; m++) {
+            __m256 b = _mm256_broadcast_ss(xf + m * k + c);
+            acc[m][0] = _mm256_fmadd_ps(w0, b, acc[m][0]);
+            acc[m][1] = _mm256_fmadd_ps(w1, b, acc[m][1]);
+        }
+    }
+#pragma GCC unroll 6 /* acc indexed by constants only, so it stays in registers */
+    for (int m = 0; m < MR; m++) {
+        float sums[16];
+        _mm256_storeu_ps(sums, acc[m][0]);
+        _mm256_storeu_ps(sums + 8, acc[m][1]);
+        for (int j = 0; j < valid; j++)
+            out[m * ldo + j] = float_to_bf16(sums[j] + (bias ? bf16_to_float(bias[j]) : 0.f));
+    }
+}
+
+static void tile_fp32_avx2(const float *xf, long k, int m, const uint16_t *w, const uint16_t *bias, uint16_t *out,
+                           long ldo, int valid, float *wf) {
+    tile_to_fp32_avx2(w, k / 2, wf);
+    for (int half = 0; half < 2 && 16 * half < valid; half++) {
+        int v = valid - 16 * half < 16 ? valid - 16 * half : 16;
+        const uint16_t *b = bias ? bias + 16 * half : 0;
+        for (int r = 0; r < m; r += MR_FP32) {
+            const float *xr = xf + r * k, *wh = wf + 16 * half;
+            uint16_t *o = out + r * ldo + 16 * half;
+            switch (m - r < MR_FP32 ? m - r : MR_FP32) {
+#define CASE(MR)                                                    \
+    case MR: block_fp32_avx2(xr, k, MR, wh, b, o, ldo, v); break;
+                CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6)
+#undef CASE
+            }
+        }
+    }
+}
 #endif
 
-/* Whether linear_bf16 has its FMA routine for many rows here (AVX512-BF16), which `fma_rows` selects. */
+/* Whether linear_bf16 has an fp32 routine for many rows here (AVX512-BF16: FMAs instead of vdpbf16ps; AVX2: the
+ * tile converted to fp32 once), which `fma_rows` selects. */
 int linear_bf16_fma_routine(void) {
-#ifdef HAVE_AVX512_BF16
+#if defined(HAVE_AVX512_BF16) || defined(HAVE_AVX2_FMA)
     return 1;
 #else
     return 0;
@@ -348,10 +410,10 @@ int linear_bf16_native(void) {
 #endif
 }
 
-/* Tile `tile` of w, its pairs at wt, against the m rows of x (xf: x in fp32 for the FMA routine, or null):
- * outputs tile * TILE onwards of out [m, w->n]. */
+/* Tile `tile` of w, its pairs at wt, against the m rows of x (xf: x in fp32 for the fp32 routine, or null; wf:
+ * the calling thread's buffer of k * TILE floats for AVX2's): outputs tile * TILE onwards of out [m, w->n]. */
 static void linear_bf16_tile(const struct bf16_weight *w, int tile, const uint16_t *wt, const uint16_t *x, long ldx,
-                             const float *xf, int m, const uint16_t *bias, uint16_t *out);
+                             const float *xf, float *wf, int m, const uint16_t *bias, uint16_t *out);
 
 int linear_bf16_from(const struct bf16_weight *w, pair_tile_fn tile_of, const void *source, int scratch,
                      const uint16_t *x, long ldx, int m, const uint16_t *bias, uint16_t *out, int num_threads) {
@@ -363,9 +425,14 @@ int linear_bf16_from(const struct bf16_weight *w, pair_tile_fn tile_of, const vo
         linear_bf16_amx(w, tile_of, source, scratch, x, ldx, m, bias, out, threads) == 0)
         return 0;
 #endif
-    float *xf = 0; /* x in fp32, for the FMA routine */
+    float *xf = 0; /* x in fp32, for the fp32 routine: AVX-512 takes it by chunks of rows, AVX2 by whole steps */
+#if defined(HAVE_AVX512_BF16) || defined(HAVE_AVX2_FMA)
 #ifdef HAVE_AVX512_BF16
-    if (!w->portable && w->fma_rows && mr >= w->fma_rows && (xf = malloc(sizeof(float) * m * w->k)))
+    int fp32_rows = mr;
+#else
+    int fp32_rows = m;
+#endif
+    if (!w->portable && w->fma_rows && fp32_rows >= w->fma_rows && (xf = malloc(sizeof(float) * m * w->k)))
         for (int r = 0; r < m; r++)
             for (int c = 0; c < w->k; c++) xf[(long)r * w->k + c] = bf16_to_float(x[r * ldx + c]);
 #endif
@@ -373,10 +440,17 @@ int linear_bf16_from(const struct bf16_weight *w, pair_tile_fn tile_of, const vo
     {
         int t = omp_get_thread_num(), nthreads = omp_get_num_threads();
         uint16_t *buffer = scratch ? aligned_alloc(64, sizeof(uint16_t) * w->k * TILE) : 0;
+#ifdef HAVE_AVX2_FMA
+        float *wf = xf ? aligned_alloc(64, sizeof(float) * w->k * TILE) : 0;
+        failed = (scratch && !buffer) || (xf && !wf);
+#else
+        float *wf = 0;
         failed = scratch && !buffer;
+#endif
         for (int tile = tiles * t / nthreads; !failed && tile < tiles * (t + 1) / nthreads; tile++)
-            linear_bf16_tile(w, tile, tile_of(source, tile, buffer), x, ldx, xf, m, bias, out);
+            linear_bf16_tile(w, tile, tile_of(source, tile, buffer), x, ldx, xf, wf, m, bias, out);
         free(buffer);
+        free(wf);
     }
     free(xf);
     return failed ? -1 : 0;
@@ -407,9 +481,17 @@ int bf16_rows(const struct bf16_weight *w, const int64_t *ids, int count, int k_
 }
 
 static void linear_bf16_tile(const struct bf16_weight *w, int tile, const uint16_t *wt, const uint16_t *x, long ldx,
-                             const float *xf, int m, const uint16_t *bias, uint16_t *out) {
+                             const float *xf, float *wf, int m, const uint16_t *bias, uint16_t *out) {
     int pairs = w->k / 2, mr = chunk_rows(m), valid = w->n - tile * TILE < TILE ? w->n - tile * TILE : TILE;
     const uint16_t *b = bias ? bias + tile * TILE : 0;
+#ifdef HAVE_AVX2_FMA
+    if (xf) {
+        tile_fp32_avx2(xf, w->k, m, wt, b, out + tile * TILE, w->n, valid, wf);
+        return;
+    }
+#else
+    (void)wf;
+#endif
     for (int r = 0; r < m; r += mr) {
         int rows = m - r < mr ? m - r : mr;
         const uint16_t *xr = x + r * ldx;
