@@ -326,13 +326,16 @@ static void qtile_rows_avx512(const struct qweight *w, const uint8_t *tile, cons
 }
 #endif
 
-#if !defined(HAVE_AVX512_VNNI) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define HAVE_AVX2_QUANT 1
-#define MAX_QMR_AVX2 2 /* rows a pass: each takes 4-6 of the 16 ymm registers */
-
+#if defined(__AVX2__) && defined(__F16C__)
+/* 8 of a tile's scales or offsets (fp16 or fp32) in lanes. */
 static inline __m256 load_values8(const uint8_t *p, const int HALF) {
     return HALF ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)) : _mm256_loadu_ps((const float *)p);
 }
+#endif
+
+#if !defined(HAVE_AVX512_VNNI) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define HAVE_AVX2_QUANT 1
+#define MAX_QMR_AVX2 2 /* rows a pass: each takes 4-6 of the 16 ymm registers */
 
 /* The same tiles with AVX2, in two passes of 8 rows (a unit's 32-byte halves). vpmaddubsw multiplies
  * unsigned weight bytes by signed x bytes and adds adjacent pairs into 16 bits, saturating: weights are
@@ -599,6 +602,41 @@ static void unit_avx512(const struct qweight *w, const uint8_t *unit, __m512 d, 
 }
 #endif
 
+#if !(defined(__AVX512F__) && defined(__AVX512BF16__)) && defined(__AVX2__) && defined(__F16C__)
+#define HAVE_AVX2_UNIT 1
+/* fp32 lanes to bf16 as float_to_bf16 rounds them, in the high (odd: 1) or low (0) half of each 32-bit lane. */
+static inline __m256i bf16_lanes(__m256 f, int odd) {
+    __m256i bits = _mm256_castps_si256(f), one = _mm256_set1_epi32(1);
+    __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(_mm256_srli_epi32(bits, 16), one)));
+    __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+    /* a NaN stays a quiet NaN: bit 0x40 of its top half set */
+    __m256i r = _mm256_blendv_epi8(rounded, _mm256_or_si256(bits, _mm256_set1_epi32(0x400000)), nan);
+    return odd ? _mm256_and_si256(r, _mm256_set1_epi32((int)0xffff0000u)) : _mm256_srli_epi32(r, 16);
+}
+
+/* The same as unit_avx512 with AVX2, in two halves of 8 outputs (a lane holds one output's 4 bytes), each value
+ * as group_row computes it. */
+static void unit_avx2(const struct qweight *w, const uint8_t *unit, const __m256 d[2], const __m256 m[2], uint16_t *dst) {
+    const __m256i byte = _mm256_set1_epi32(0xff), low = _mm256_set1_epi8(15);
+    int pairs = w->bits == 4 ? 4 : 2;
+    for (int h = 0; h < 2; h++) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)(unit + 32 * h));
+        __m256i nibbles[2] = {_mm256_and_si256(v, low), _mm256_and_si256(_mm256_srli_epi16(v, 4), low)};
+        for (int p = 0; p < pairs; p++) {
+            __m256i both = _mm256_setzero_si256();
+            for (int t = 0; t < 2; t++) {
+                int col = 2 * p + t; /* int4: bytes 0-3 hold columns 0-3 (low nibble) and 4-7 (high) */
+                __m256i q = _mm256_and_si256(_mm256_srli_epi32(w->bits == 4 ? nibbles[col / 4] : v, 8 * (col % 4)), byte);
+                __m256 f = w->bits == 4 ? _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q), d[h]), m[h])
+                                        : _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q, _mm256_set1_epi32(128))), d[h]);
+                both = _mm256_or_si256(both, bf16_lanes(f, t));
+            }
+            _mm256_storeu_si256((__m256i *)(dst + 2 * TILE * p + 16 * h), both);
+        }
+    }
+}
+#endif
+
 /* Quantized tile qt (16 outputs) into half h of a bf16 pair tile of the padded k columns. */
 static void dequantize_tile(const struct qweight *w, int qt, int h, uint16_t *pairs) {
     int groups = w->k / w->group;
@@ -614,6 +652,22 @@ static void dequantize_tile(const struct qweight *w, int qt, int h, uint16_t *pa
             if (w->bits == 4)
                 m = w->symmetric ? _mm512_mul_ps(d, _mm512_set1_ps(-8.f)) : load_values16(group + weight_bytes + values, w->half);
             for (int u = 0; u < w->group / cols; u++) unit_avx512(w, group + 64 * u, d, m, dst + u * cols / 2 * 2 * TILE);
+            continue;
+        }
+#endif
+#ifdef HAVE_AVX2_UNIT
+        if (!w->portable) {
+            long weight_bytes = group_weight_bytes(w), values = group_value_bytes(w);
+            int cols = w->bits == 4 ? 8 : 4; /* columns per unit */
+            __m256 d[2], m[2];
+            for (int half = 0; half < 2; half++) {
+                long rows = (long)8 * half * (w->half ? 2 : 4); /* bytes of the values of rows 0-7 */
+                d[half] = load_values8(group + weight_bytes + rows, w->half);
+                m[half] = w->bits != 4     ? _mm256_setzero_ps()
+                          : w->symmetric ? _mm256_mul_ps(d[half], _mm256_set1_ps(-8.f))
+                                         : load_values8(group + weight_bytes + values + rows, w->half);
+            }
+            for (int u = 0; u < w->group / cols; u++) unit_avx2(w, group + 64 * u, d, m, dst + u * cols / 2 * 2 * TILE);
             continue;
         }
 #endif
