@@ -22,9 +22,10 @@ def device() -> str:
 
 
 @pytest.fixture(autouse=True)
-def _needs_avx512_bf16():
-    if "avx512_bf16" not in Path("/proc/cpuinfo").read_text():
-        pytest.skip("the extend kernel needs AVX512-BF16; this CPU takes the decode kernel per token")
+def _needs_vector_code():
+    flags = set(Path("/proc/cpuinfo").read_text().split())
+    if "avx512_bf16" not in flags and not {"avx2", "fma"} <= flags:
+        pytest.skip("the extend kernel needs AVX512-BF16 or AVX2; this CPU takes the decode kernel per token")
 
 
 def _extend(paged_kv, rand, seq_lens, query_lens, block_size, heads, kv_heads, head_dim, bounds=None):
@@ -41,9 +42,11 @@ def _extend(paged_kv, rand, seq_lens, query_lens, block_size, heads, kv_heads, h
 
 
 # (seq_lens, query_lens, block_size, head_dim, heads, kv_heads): whole prompts and chunks on a cached
-# prefix, lengths at and one past tile (16) and step (64) ends, GQA groups of 1, 3, 4 and 8, both head dims.
+# prefix, lengths at and one past tile (AVX-512 16, AVX2 8) and step (64, 32) ends, GQA groups of 1, 3, 4
+# and 8, both head dims.
 CASES = [
     ([33], [33], 16, 64, 9, 3),
+    ([9, 32, 24], [9, 32, 17], 16, 128, 6, 2),
     ([64, 65, 130], [64, 65, 40], 16, 64, 9, 3),
     ([450], [450], 16, 64, 9, 3),
     ([300, 97], [120, 97], 32, 128, 8, 2),

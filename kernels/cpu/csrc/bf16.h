@@ -1,6 +1,6 @@
 /* Helpers shared by the CPU kernels: bf16 <-> fp32 and fp16 -> fp32 conversions (bf16 is the top half of an
  * fp32), an exp that vectorises and, with AVX-512, its 16-lane form and the lane mask of a partial last
- * vector; and the packed weight of linear_bf16.c, whose routines linear_quant.c runs on tiles it dequantizes. */
+ * vector, and with AVX2 its 8-lane form; and the packed weight of linear_bf16.c, whose routines linear_quant.c runs on tiles it dequantizes. */
 #ifndef LLMSERVE_BF16_H
 #define LLMSERVE_BF16_H
 
@@ -118,6 +118,27 @@ static inline __m512 exp512_nonpositive(__m512 x) {
     return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
 
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* expf_nonpositive() on 8 lanes. */
+static inline __m256 exp256_nonpositive(__m256 x) {
+    __m256 t = _mm256_mul_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(1.44269504088896341f));
+    __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.69314718055994531f));
+    __m256 p = _mm256_set1_ps(1.f / 720);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+#endif
+
+#if defined(__AVX512F__)
 /* 16 bf16 values as fp32, the lanes outside `lanes` zero (and not read: no fault past an array's end). */
 static inline __m512 load_bf16_ps(__mmask16 lanes, const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, p)), 16));

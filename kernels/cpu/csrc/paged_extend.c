@@ -9,7 +9,10 @@
  * online softmax, and P @ V by vdpbf16ps over pairs of keys (probabilities rounded to bf16, as the decode
  * kernel and flash attention on GPUs do). Sums are fp32.
  *
- * bf16 only, head dims 64 and 128, AVX512-BF16; the caller falls back elsewhere. Layouts:
+ * With AVX2 (no AVX512-BF16) the same tiles hold fp32, 8 keys each: scores of 8 keys per vector by FMAs over the
+ * head's dimensions, the probabilities kept in fp32 for P @ V.
+ *
+ * bf16 only, head dims 64 and 128, AVX512-BF16 or AVX2 with FMA; the caller falls back elsewhere. Layouts:
  *   q               [tokens, heads, head_dim]  row stride q_stride elements
  *   k/v_cache       [num_blocks, block_size, kv_heads, head_dim]
  *   block_tables    [batch, max_blocks] int32
@@ -17,26 +20,31 @@
  *   seq_lens        [batch] int32: cached tokens after this step, the new ones included
  *   out             [tokens, heads, head_dim]  only the rows of the sequences this call serves are written
  */
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "bf16.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <float.h>
 
+#define MAX_HEAD_DIM 128
+#define STEP_KEYS 64   /* a multiple of every step's keys (T tiles) */
+#define QUERY_CHUNK 16 /* new tokens per task: enough tasks to balance threads on one prompt */
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define HAVE_EXTEND 1
+typedef uint16_t kv_t; /* the tiles' values: bf16 */
 #define KEYS 16        /* keys per tile: one vector of scores */
 /* Array bounds (fixed, unlike C's variable-length arrays, so that the compiler keeps them in registers). */
 #define MAX_ROWS 4
 #define MAX_STEP 4
-#define MAX_HEAD_DIM 128
-#define STEP_KEYS 64   /* a multiple of every step's keys (T tiles) */
 /* Rows a group and tiles a step (R, T) by head dim, the fastest measured: the scores (R * T vectors), the output
  * rows (R * D / 16) and a step's key vectors (T) fit the 32 vector registers. */
 #define RT64 3, 4
 #define RT128 2, 4
-#define QUERY_CHUNK 16 /* new tokens per task: enough tasks to balance threads on one prompt */
+#define TASK_SCRATCH 0 /* bytes of scratch a thread's tasks need */
 
 /* Tile j of one KV head of one sequence, from the paged cache: keys as [D/2][16 keys][2] (dimension pair p of
  * 16 keys in one vector, which a query's pair p multiplies into 16 scores) and values as [8][D][2] (keys 2i
@@ -137,7 +145,9 @@ static inline __attribute__((always_inline)) void attend_rows(const int D, const
 static inline __attribute__((always_inline)) void attend_task(const int D, const int R, const int T, const uint16_t *q,
                                                               long q_stride, int group, int heads, int head0,
                                                               int first_pos, int tokens, const uint16_t *keys,
-                                                              const uint16_t *values, float scale, uint16_t *out) {
+                                                              const uint16_t *values, float scale, uint16_t *out,
+                                                              void *unused) {
+    (void)unused;
     uint16_t scratch[MAX_HEAD_DIM];
     for (int row0 = 0; row0 < tokens * group; row0 += R) {
         const uint16_t *rows[MAX_ROWS];
@@ -154,6 +164,170 @@ static inline __attribute__((always_inline)) void attend_task(const int D, const
     }
 }
 
+#elif defined(__AVX2__) && defined(__FMA__)
+#define HAVE_EXTEND 1
+typedef float kv_t; /* the tiles' values: fp32 */
+#define KEYS 8          /* keys per tile: one vector of scores */
+#define MAX_ROWS 2
+#define MAX_STEP 4
+/* Rows a group and tiles a step: 8 score vectors, a step's 4 key vectors and a broadcast of q fit the 16
+ * vector registers, as do P @ V's 8 sums (2 rows by 32 dimensions), its 4 value vectors and a broadcast. */
+#define RT64 2, 4
+#define RT128 2, 4
+
+/* Tile j of one KV head of one sequence in fp32: keys as [D][8 keys] (dimension d of 8 keys in one vector,
+ * which a query's dimension d multiplies into 8 scores) and values as [8 keys][D]. Keys past `len` are zero. */
+static void relayout_tile(const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *table, int len,
+                          int block_size, int row_stride, int head_offset, int D, int j, float *keys,
+                          float *values) {
+    for (int t = 0; t < KEYS; t++) {
+        int key = j * KEYS + t;
+        float *vt = values + (long)t * D;
+        if (key >= len) {
+            for (int d = 0; d < D; d++) keys[d * KEYS + t] = vt[d] = 0.f;
+            continue;
+        }
+        long row = ((long)table[key / block_size] * block_size + key % block_size) * row_stride + head_offset;
+        const uint16_t *k = k_cache + row, *v = v_cache + row;
+        for (int d = 0; d < D; d++) {
+            keys[d * KEYS + t] = bf16_to_float(k[d]);
+            vt[d] = bf16_to_float(v[d]);
+        }
+    }
+}
+
+/* The running state of one query row: its query in fp32 (scaled), its output sums, softmax maximum and sum. */
+struct row_state {
+    float q[MAX_HEAD_DIM], acc[MAX_HEAD_DIM], m, sum;
+    int pos;
+};
+
+/* R rows' states against tiles j0 up to j1 (exclusive), T tiles a step, with an online softmax as in the
+ * AVX-512 routine. D, R and T are constants at each call site, so a step's scores (R * T vectors) and P @ V's
+ * sums (R rows by 32 dimensions) stay in registers. */
+static inline __attribute__((always_inline)) void attend_steps(const int D, const int R, const int T,
+                                                               struct row_state *const *st, int j0, int j1,
+                                                               const float *keys, const float *values) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int j = j0; j < j1; j += T) {
+        const float *kt = keys + (long)j * D * KEYS, *vt = values + (long)j * D * KEYS;
+        __m256 s[MAX_ROWS][MAX_STEP];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++)
+            for (int t = 0; t < T; t++) s[r][t] = _mm256_setzero_ps();
+        for (int d = 0; d < D; d++) {
+            __m256 k[MAX_STEP];
+#pragma GCC unroll 4
+            for (int t = 0; t < T; t++) k[t] = _mm256_loadu_ps(kt + ((long)t * D + d) * KEYS);
+#pragma GCC unroll 2
+            for (int r = 0; r < R; r++) {
+                __m256 qd = _mm256_broadcast_ss(&st[r]->q[d]);
+#pragma GCC unroll 4
+                for (int t = 0; t < T; t++) s[r][t] = _mm256_fmadd_ps(k[t], qd, s[r][t]);
+            }
+        }
+        float p[MAX_ROWS][MAX_STEP * KEYS], correction[MAX_ROWS];
+#pragma GCC unroll 2
+        for (int r = 0; r < R; r++) {
+            __m256i visible[MAX_STEP]; /* keys up to the row's own position */
+            __m256 top = _mm256_set1_ps(st[r]->m), sum = _mm256_setzero_ps();
+#pragma GCC unroll 4
+            for (int t = 0; t < T; t++) {
+                __m256i key = _mm256_add_epi32(lane, _mm256_set1_epi32((j + t) * KEYS));
+                visible[t] = _mm256_cmpgt_epi32(_mm256_set1_epi32(st[r]->pos + 1), key);
+                top = _mm256_max_ps(top, _mm256_blendv_ps(top, s[r][t], _mm256_castsi256_ps(visible[t])));
+            }
+            top = _mm256_max_ps(top, _mm256_permute2f128_ps(top, top, 1));
+            top = _mm256_max_ps(top, _mm256_shuffle_ps(top, top, 0x4e));
+            top = _mm256_max_ps(top, _mm256_shuffle_ps(top, top, 0xb1));
+            float new_max = _mm256_cvtss_f32(top);
+            correction[r] = expf_nonpositive(st[r]->m - new_max);
+            st[r]->m = new_max;
+#pragma GCC unroll 4
+            for (int t = 0; t < T; t++) {
+                __m256 e = exp256_nonpositive(_mm256_sub_ps(s[r][t], top));
+                e = _mm256_and_ps(e, _mm256_castsi256_ps(visible[t]));
+                sum = _mm256_add_ps(sum, e);
+                _mm256_storeu_ps(p[r] + t * KEYS, e);
+            }
+            sum = _mm256_add_ps(sum, _mm256_permute2f128_ps(sum, sum, 1));
+            sum = _mm256_add_ps(sum, _mm256_shuffle_ps(sum, sum, 0x4e));
+            sum = _mm256_add_ps(sum, _mm256_shuffle_ps(sum, sum, 0xb1));
+            st[r]->sum = st[r]->sum * correction[r] + _mm256_cvtss_f32(sum);
+        }
+        for (int d0 = 0; d0 < D; d0 += 32) {
+            __m256 a[MAX_ROWS][4];
+#pragma GCC unroll 2
+            for (int r = 0; r < R; r++) {
+                __m256 c = _mm256_set1_ps(correction[r]);
+#pragma GCC unroll 4
+                for (int i = 0; i < 4; i++) a[r][i] = _mm256_mul_ps(_mm256_loadu_ps(st[r]->acc + d0 + 8 * i), c);
+            }
+            for (int key = 0; key < T * KEYS; key++) {
+                __m256 v[4];
+#pragma GCC unroll 4
+                for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(vt + (long)key * D + d0 + 8 * i);
+#pragma GCC unroll 2
+                for (int r = 0; r < R; r++) {
+                    __m256 pk = _mm256_broadcast_ss(&p[r][key]);
+#pragma GCC unroll 4
+                    for (int i = 0; i < 4; i++) a[r][i] = _mm256_fmadd_ps(v[i], pk, a[r][i]);
+                }
+            }
+#pragma GCC unroll 2
+            for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+                for (int i = 0; i < 4; i++) _mm256_storeu_ps(st[r]->acc + d0 + 8 * i, a[r][i]);
+        }
+    }
+}
+
+/* All query rows of one task (rows (token, query head of the group) in that order), flash-attention style with
+ * the keys outermost: a block of BLOCK_TILES tiles (K and V of 128 keys, 64-128 KB) meets every row that sees
+ * it while it is in L2, R rows at a time, the rows' states kept in between. Row by row instead, every pair of
+ * rows would stream the sequence's whole K/V from L3, which held the routine to a third of its FMA rate.
+ * Rows go in parts of up to MAX_TASK_ROWS; `state` holds that many and R - 1 more, for a last group short of R
+ * to repeat its last row into. */
+#define BLOCK_TILES 16
+#define MAX_TASK_ROWS (QUERY_CHUNK * 8)
+#define TASK_SCRATCH (sizeof(struct row_state) * (MAX_TASK_ROWS + MAX_ROWS))
+static inline __attribute__((always_inline)) void attend_task(const int D, const int R, const int T, const uint16_t *q,
+                                                              long q_stride, int group, int heads, int head0,
+                                                              int first_pos, int tokens, const float *keys,
+                                                              const float *values, float scale, uint16_t *out,
+                                                              struct row_state *state) {
+    int part = MAX_TASK_ROWS / group > 0 ? MAX_TASK_ROWS / group : 1; /* tokens a part */
+    for (int t0 = 0; t0 < tokens; t0 += part) {
+        int n = tokens - t0 < part ? tokens - t0 : part, rows = n * group, padded = (rows + R - 1) / R * R;
+        for (int row = 0; row < padded; row++) {
+            int from = row < rows ? row : rows - 1;
+            const uint16_t *qr = q + (long)(t0 + from / group) * q_stride + (long)(head0 + from % group) * D;
+            for (int d = 0; d < D; d++) {
+                state[row].q[d] = bf16_to_float(qr[d]) * scale;
+                state[row].acc[d] = 0.f;
+            }
+            state[row].m = -FLT_MAX;
+            state[row].sum = 0.f;
+            state[row].pos = first_pos + t0 + from / group;
+        }
+        int last_tile = (first_pos + t0 + n - 1) / KEYS;
+        for (int b = 0; b <= last_tile; b += BLOCK_TILES)
+            for (int row0 = 0; row0 < padded; row0 += R) {
+                struct row_state *st[MAX_ROWS];
+                for (int r = 0; r < R; r++) st[r] = &state[row0 + r];
+                /* this block's tiles up to the later row's position, in whole steps (past it masked) */
+                int end = st[R - 1]->pos / KEYS + 1, j1 = b + BLOCK_TILES < end ? b + BLOCK_TILES : end;
+                if (b < j1) attend_steps(D, R, T, st, b, b + (j1 - b + T - 1) / T * T, keys, values);
+            }
+        for (int row = 0; row < rows; row++) {
+            uint16_t *o = out + ((long)(t0 + row / group) * heads + head0 + row % group) * D;
+            for (int d = 0; d < D; d++) o[d] = float_to_bf16(state[row].acc[d] / state[row].sum);
+        }
+    }
+}
+#endif
+
+#ifdef HAVE_EXTEND
 /* Tiles a sequence of `len` keys takes in the buffers: whole steps of the longest step, the last ones zero. */
 static inline int seq_tiles(int len) {
     return (len + STEP_KEYS - 1) / STEP_KEYS * (STEP_KEYS / KEYS);
@@ -197,15 +371,17 @@ int paged_extend(const uint16_t *q, long q_stride, const uint16_t *k_cache, cons
         return 0;
     }
     long tile_values = (long)D * KEYS; /* per tile and KV head, in keys and again in values */
-    uint16_t *keys = malloc(sizeof(uint16_t) * tiles * kv_heads * tile_values * 2);
+    kv_t *keys = malloc(sizeof(kv_t) * tiles * kv_heads * tile_values * 2);
     struct task *list = malloc(sizeof(struct task) * tasks);
-    if (!keys || !list) {
+    char *scratch = TASK_SCRATCH ? malloc(TASK_SCRATCH * num_threads) : 0; /* each thread's part */
+    if (!keys || !list || (TASK_SCRATCH && !scratch)) {
         free(tile0);
         free(keys);
         free(list);
+        free(scratch);
         return -2;
     }
-    uint16_t *values = keys + tiles * kv_heads * tile_values;
+    kv_t *values = keys + tiles * kv_heads * tile_values;
     int at = 0;
     for (int b = 0; b < batch; b++) {
         int n = query_start_loc[b + 1] - query_start_loc[b];
@@ -227,6 +403,7 @@ int paged_extend(const uint16_t *q, long q_stride, const uint16_t *k_cache, cons
                           h * D, D, (int)(tile - tile0[b]), keys + at_tile * tile_values,
                           values + at_tile * tile_values);
         }
+        void *own = scratch ? scratch + TASK_SCRATCH * omp_get_thread_num() : 0;
 #pragma omp for schedule(dynamic, 1)
         for (int i = 0; i < tasks; i++) {
             struct task task = list[i];
@@ -237,15 +414,16 @@ int paged_extend(const uint16_t *q, long q_stride, const uint16_t *k_cache, cons
             uint16_t *dst = out + (long)(query_start_loc[b] + first) * heads * D;
             if (D == 64)
                 attend_task(64, RT64, rows, q_stride, group, heads, task.head * group, task.token, tokens,
-                            keys + at_tile * tile_values, values + at_tile * tile_values, scale, dst);
+                            keys + at_tile * tile_values, values + at_tile * tile_values, scale, dst, own);
             else
                 attend_task(128, RT128, rows, q_stride, group, heads, task.head * group, task.token, tokens,
-                            keys + at_tile * tile_values, values + at_tile * tile_values, scale, dst);
+                            keys + at_tile * tile_values, values + at_tile * tile_values, scale, dst, own);
         }
     }
     free(tile0);
     free(keys);
     free(list);
+    free(scratch);
     return 0;
 }
 
@@ -254,6 +432,6 @@ int paged_extend(const uint16_t *q, long q_stride, const uint16_t *k_cache, cons
                  const int32_t *block_tables, int max_blocks, const int32_t *query_start_loc, const int32_t *seq_lens,
                  uint16_t *out, int batch, int heads, int kv_heads, int head_dim, int block_size, int min_query_len,
                  int max_query_len, float scale, int num_threads) {
-    return -1; /* no AVX512-BF16 here: the caller takes another path */
+    return -1; /* neither AVX512-BF16 nor AVX2 here: the caller takes another path */
 }
 #endif
