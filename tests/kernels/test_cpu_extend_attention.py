@@ -42,11 +42,12 @@ def _extend(paged_kv, rand, seq_lens, query_lens, block_size, heads, kv_heads, h
 
 
 # (seq_lens, query_lens, block_size, head_dim, heads, kv_heads): whole prompts and chunks on a cached
-# prefix, lengths at and one past tile (AVX-512 16, AVX2 8) and step (64, 32) ends, GQA groups of 1, 3, 4
-# and 8, both head dims.
+# prefix, lengths at and one past tile (AVX-512 16, AVX2 8) and step (64, 32) ends, GQA groups of 1, 3, 4,
+# 8 and 16 (more query rows than AVX2 takes in one part of a task), both head dims.
 CASES = [
     ([33], [33], 16, 64, 9, 3),
     ([9, 32, 24], [9, 32, 17], 16, 128, 6, 2),
+    ([70], [40], 16, 64, 32, 2),
     ([64, 65, 130], [64, 65, 40], 16, 64, 9, 3),
     ([450], [450], 16, 64, 9, 3),
     ([300, 97], [120, 97], 32, 128, 8, 2),

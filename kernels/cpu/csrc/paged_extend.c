@@ -20,14 +20,14 @@
  *   seq_lens        [batch] int32: cached tokens after this step, the new ones included
  *   out             [tokens, heads, head_dim]  only the rows of the sequences this call serves are written
  */
+#include <float.h>
+#include <limits.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "bf16.h"
-
-#include <float.h>
 
 #define MAX_HEAD_DIM 128
 #define STEP_KEYS 64   /* a multiple of every step's keys (T tiles) */
@@ -45,6 +45,7 @@ typedef uint16_t kv_t; /* the tiles' values: bf16 */
 #define RT64 3, 4
 #define RT128 2, 4
 #define TASK_SCRATCH 0 /* bytes of scratch a thread's tasks need */
+#define MAX_GROUP INT_MAX /* query heads a KV head: any */
 
 /* Tile j of one KV head of one sequence, from the paged cache: keys as [D/2][16 keys][2] (dimension pair p of
  * 16 keys in one vector, which a query's pair p multiplies into 16 scores) and values as [8][D][2] (keys 2i
@@ -291,12 +292,13 @@ static inline __attribute__((always_inline)) void attend_steps(const int D, cons
 #define BLOCK_TILES 16
 #define MAX_TASK_ROWS (QUERY_CHUNK * 8)
 #define TASK_SCRATCH (sizeof(struct row_state) * (MAX_TASK_ROWS + MAX_ROWS))
+#define MAX_GROUP MAX_TASK_ROWS /* query heads a KV head: a token's rows fit a part */
 static inline __attribute__((always_inline)) void attend_task(const int D, const int R, const int T, const uint16_t *q,
                                                               long q_stride, int group, int heads, int head0,
                                                               int first_pos, int tokens, const float *keys,
                                                               const float *values, float scale, uint16_t *out,
                                                               struct row_state *state) {
-    int part = MAX_TASK_ROWS / group > 0 ? MAX_TASK_ROWS / group : 1; /* tokens a part */
+    int part = MAX_TASK_ROWS / group; /* tokens a part */
     for (int t0 = 0; t0 < tokens; t0 += part) {
         int n = tokens - t0 < part ? tokens - t0 : part, rows = n * group, padded = (rows + R - 1) / R * R;
         for (int row = 0; row < padded; row++) {
@@ -349,7 +351,7 @@ int paged_extend(const uint16_t *q, long q_stride, const uint16_t *k_cache, cons
                  const int32_t *block_tables, int max_blocks, const int32_t *query_start_loc, const int32_t *seq_lens,
                  uint16_t *out, int batch, int heads, int kv_heads, int head_dim, int block_size, int min_query_len,
                  int max_query_len, float scale, int num_threads) {
-    if ((head_dim != 64 && head_dim != 128) || heads % kv_heads) return -1;
+    if ((head_dim != 64 && head_dim != 128) || heads % kv_heads || heads / kv_heads > MAX_GROUP) return -1;
     const int D = head_dim, group = heads / kv_heads, row_stride = kv_heads * D;
     /* Where each served sequence's tiles start in the buffers (-1: not served), and how many tasks there are.
      * The buffers hold, per served sequence and KV head, its keys' tiles and then, after all of them, the
