@@ -139,6 +139,20 @@ static inline __m256 exp256_nonpositive(__m256 x) {
 #endif
 
 #if defined(__AVX512F__)
+/* 16 fp32 lanes rounded to bf16: vcvtneps2bf16 where the CPU has AVX512-BF16; else (AVX512-VNNI CPUs without
+ * it, such as Cascade Lake and Ice Lake) by integer steps, rounding as float_to_bf16 does. */
+static inline __m256i bf16_from_512(__m512 f) {
+#ifdef __AVX512BF16__
+    return (__m256i)_mm512_cvtneps_pbh(f);
+#else
+    __m512i bits = _mm512_castps_si512(f), one = _mm512_set1_epi32(1);
+    __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(_mm512_srli_epi32(bits, 16), one)));
+    __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+    rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(bits, _mm512_set1_epi32(0x400000))); /* quiet NaN */
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+#endif
+}
+
 /* 16 bf16 values as fp32, the lanes outside `lanes` zero (and not read: no fault past an array's end). */
 static inline __m512 load_bf16_ps(__mmask16 lanes, const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, p)), 16));

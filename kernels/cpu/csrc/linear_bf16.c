@@ -417,7 +417,7 @@ static void linear_bf16_tile(const struct bf16_weight *w, int tile, const uint16
 
 int linear_bf16_from(const struct bf16_weight *w, pair_tile_fn tile_of, const void *source, int scratch,
                      const uint16_t *x, long ldx, int m, const uint16_t *bias, uint16_t *out, int num_threads) {
-    int tiles = (w->n + TILE - 1) / TILE, mr = chunk_rows(m), failed = 0;
+    int tiles = (w->n + TILE - 1) / TILE, failed = 0;
     int threads = tiles < num_threads ? tiles : num_threads;
     if (m == 0) return 0;
 #ifdef HAVE_AMX
@@ -428,7 +428,7 @@ int linear_bf16_from(const struct bf16_weight *w, pair_tile_fn tile_of, const vo
     float *xf = 0; /* x in fp32, for the fp32 routine: AVX-512 takes it by chunks of rows, AVX2 by whole steps */
 #if defined(HAVE_AVX512_BF16) || defined(HAVE_AVX2_FMA)
 #ifdef HAVE_AVX512_BF16
-    int fp32_rows = mr;
+    int fp32_rows = chunk_rows(m);
 #else
     int fp32_rows = m;
 #endif

@@ -303,7 +303,7 @@ static inline __attribute__((always_inline)) void qtile_avx512(const struct qwei
         __m512 r = _mm512_add_ps(y[m], b);
         long at = (long)(m0 + m) * w->n;
         if (is_bf16)
-            _mm256_mask_storeu_epi16((uint16_t *)out + at, mask, (__m256i)_mm512_cvtneps_pbh(r));
+            _mm256_mask_storeu_epi16((uint16_t *)out + at, mask, bf16_from_512(r));
         else
             _mm512_mask_storeu_ps((float *)out + at, mask, r);
     }
