@@ -1,6 +1,7 @@
 /* Helpers shared by the CPU kernels: bf16 <-> fp32 and fp16 -> fp32 conversions (bf16 is the top half of an
- * fp32), an exp that vectorises and, with AVX-512, its 16-lane form and the lane mask of a partial last
- * vector, and with AVX2 its 8-lane form; and the packed weight of linear_bf16.c, whose routines linear_quant.c runs on tiles it dequantizes. */
+ * fp32), an exp that vectorises, and their 8-lane (AVX2) and 16-lane (AVX-512) forms with the lane mask of a
+ * partial last vector; and the packed weight of linear_bf16.c, whose routines linear_quant.c runs on tiles it
+ * dequantizes. */
 #ifndef LLMSERVE_BF16_H
 #define LLMSERVE_BF16_H
 
@@ -135,6 +136,16 @@ static inline __m256 exp256_nonpositive(__m256 x) {
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
     __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+/* fp32 lanes to bf16 as float_to_bf16 rounds them, in the high (odd: 1) or low (0) half of each 32-bit lane. */
+static inline __m256i bf16_lanes(__m256 f, int odd) {
+    __m256i bits = _mm256_castps_si256(f), one = _mm256_set1_epi32(1);
+    __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(_mm256_srli_epi32(bits, 16), one)));
+    __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+    /* a NaN stays a quiet NaN: bit 0x40 of its top half set */
+    __m256i r = _mm256_blendv_epi8(rounded, _mm256_or_si256(bits, _mm256_set1_epi32(0x400000)), nan);
+    return odd ? _mm256_and_si256(r, _mm256_set1_epi32((int)0xffff0000u)) : _mm256_srli_epi32(r, 16);
 }
 #endif
 

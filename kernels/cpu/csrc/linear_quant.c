@@ -604,16 +604,6 @@ static void unit_avx512(const struct qweight *w, const uint8_t *unit, __m512 d, 
 
 #if !(defined(__AVX512F__) && defined(__AVX512BF16__)) && defined(__AVX2__) && defined(__F16C__)
 #define HAVE_AVX2_UNIT 1
-/* fp32 lanes to bf16 as float_to_bf16 rounds them, in the high (odd: 1) or low (0) half of each 32-bit lane. */
-static inline __m256i bf16_lanes(__m256 f, int odd) {
-    __m256i bits = _mm256_castps_si256(f), one = _mm256_set1_epi32(1);
-    __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(_mm256_srli_epi32(bits, 16), one)));
-    __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
-    /* a NaN stays a quiet NaN: bit 0x40 of its top half set */
-    __m256i r = _mm256_blendv_epi8(rounded, _mm256_or_si256(bits, _mm256_set1_epi32(0x400000)), nan);
-    return odd ? _mm256_and_si256(r, _mm256_set1_epi32((int)0xffff0000u)) : _mm256_srli_epi32(r, 16);
-}
-
 /* The same as unit_avx512 with AVX2, in two halves of 8 outputs (a lane holds one output's 4 bytes), each value
  * as group_row computes it. */
 static void unit_avx2(const struct qweight *w, const uint8_t *unit, const __m256 d[2], const __m256 m[2], uint16_t *dst) {
@@ -661,7 +651,7 @@ static void dequantize_tile(const struct qweight *w, int qt, int h, uint16_t *pa
             int cols = w->bits == 4 ? 8 : 4; /* columns per unit */
             __m256 d[2], m[2];
             for (int half = 0; half < 2; half++) {
-                long rows = (long)8 * half * (w->half ? 2 : 4); /* bytes of the values of rows 0-7 */
+                long rows = half * values / 2; /* rows 8 * half onwards of the scales, and of the offsets */
                 d[half] = load_values8(group + weight_bytes + rows, w->half);
                 m[half] = w->bits != 4     ? _mm256_setzero_ps()
                           : w->symmetric ? _mm256_mul_ps(d[half], _mm256_set1_ps(-8.f))
