@@ -19,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -49,17 +50,31 @@ class StepResult:
 def steps(out: Path, model_dir: Path) -> list[Step]:
     python = sys.executable
     no_interpreter = {"TRITON_INTERPRET": "0"}
+    # Compiling each kernel variant takes longer than running it: compile on several cores where pytest-xdist
+    # is installed (a lent GPU machine's image has it).
+    workers = ["-n", "8"] if _importable("xdist") else []
     return [
         Step(
             "triton_kernel_tests",
-            [python, "-m", "pytest", "-q", "-x", "tests/kernels", "-k", "triton", "-p", "no:cacheprovider"],
-            0.30,
+            [
+                python,
+                "-m",
+                "pytest",
+                "-q",
+                *workers,
+                "tests/kernels",
+                "-k",
+                "triton",
+                "-p",
+                "no:cacheprovider",
+            ],
+            0.25,
             no_interpreter,
         ),
         Step(
             "engine_vs_transformers_cuda",
             [python, "-m", "pytest", "-q", "tests/engine/test_cuda_engine.py", "-p", "no:cacheprovider"],
-            0.20,
+            0.30,
             no_interpreter,
         ),
         Step(
@@ -124,7 +139,8 @@ def _text(data: bytes | str | None) -> str:
 
 def install_wheels(folder: Path) -> list[str]:
     """Installs what the project needs from carried wheels when the import fails; returns what it did."""
-    missing = [name for name in ("gguf", "tokenizers", "safetensors", "jinja2") if not _importable(name)]
+    needed = ("gguf", "tokenizers", "safetensors", "jinja2", "llguidance")
+    missing = [name for name in needed if not _importable(name)]
     if not missing or not folder.is_dir():
         return missing and [f"missing, no wheels to install: {', '.join(missing)}"]
     command = [
@@ -164,7 +180,7 @@ def check(out: Path, budget: float, plan: list[Step] | None = None) -> dict:
         summary["skipped"] = "no CUDA GPU here: nothing of the CUDA path can be checked"
     else:
         if plan is None:
-            plan = steps(out, _random_model(out / "model"))
+            plan = steps(out, _random_model(Path(tempfile.mkdtemp(prefix="gpu-check-model-"))))
         for step in plan:
             left = budget - (time.monotonic() - started)
             if left < 5:

@@ -156,6 +156,8 @@ class ModelRunner:
         self.block_size = config.block_size
         if self.device.type == "cpu":
             keep_freed_memory_for_reuse()
+        else:  # what this process held before this engine: another engine's weights and cache are not ours
+            self._allocated_before = torch.cuda.memory_allocated(self.device)
         model_cls = MODEL_CLASSES[loaded.config.architecture]
         torch.manual_seed(config.seed)
         # Built under the target default dtype (not cast afterwards) so fp32 buffers like RoPE's stay fp32.
@@ -250,9 +252,7 @@ class ModelRunner:
     def _num_kv_blocks(self) -> int:
         budget = self.config.kv_cache_memory_bytes
         if budget is None and self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            others = total - free - torch.cuda.memory_reserved(self.device)  # other processes on this GPU
-            budget = int(total * self.config.gpu_memory_utilization) - others - self._profile_peak_memory()
+            budget = self._cuda_kv_budget()
         elif budget is None:
             budget = DEFAULT_CPU_KV_BYTES
         num_blocks = torch.tensor(budget // self.kv_bytes_per_block, device=self.device)
@@ -310,11 +310,30 @@ class ModelRunner:
         )
         return tokens.t().tolist()
 
+    def _cuda_kv_budget(self) -> int:
+        """gpu_memory_utilization is this engine's share of the device, as in vLLM: its cache gets that
+        share less what the engine itself holds at its peak (weights, activations), whatever else the
+        process holds, and never more than is free once the next step's activations are set aside."""
+        peak, activations = self._profile_peak_memory()
+        free, total = torch.cuda.mem_get_info(self.device)
+        share = int(total * self.config.gpu_memory_utilization) - (peak - self._allocated_before)
+        if free - activations < share:
+            logger.warning(
+                "gpu_memory_utilization=%.2f leaves %.2f GiB for the KV cache on %s, but only %.2f GiB are "
+                "free (other processes or engines hold the rest): the cache takes what is free",
+                self.config.gpu_memory_utilization,
+                share / 2**30,
+                self.device,
+                (free - activations) / 2**30,
+            )
+        return min(share, free - activations)
+
     @torch.inference_mode()
-    def _profile_peak_memory(self) -> int:
-        """Peak bytes of this process on the GPU through the largest step the scheduler can build: a
-        forward over max_num_batched_tokens prompt tokens (over a scratch KV cache) with the logits of every
-        row, as a chunk asking for prompt logprobs has (vLLM sizes its cache the same way)."""
+    def _profile_peak_memory(self) -> tuple[int, int]:
+        """Peak bytes this process allocates on the GPU through the largest step the scheduler can build,
+        and how many of them the step itself took: a forward over max_num_batched_tokens prompt tokens
+        (over a scratch KV cache) with the logits of every row, as a chunk asking for prompt logprobs has
+        (vLLM sizes its cache the same way)."""
         config, mc, bs = self.config, self.model_config, self.block_size
         tokens = config.max_num_batched_tokens
         seqs = min(config.max_num_seqs, tokens)
@@ -323,6 +342,7 @@ class ModelRunner:
         kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
         with torch.device(self.device):
             scratch = torch.zeros(
                 2, mc.num_hidden_layers, seqs * blocks, bs, kv_heads, mc.head_dim, dtype=self.dtype
@@ -345,7 +365,7 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         torch.cuda.empty_cache()
-        return peak
+        return peak, peak - before
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> tuple[torch.Tensor | None, torch.Tensor | None]:
