@@ -1,15 +1,17 @@
 """The GPU check: everything about the CUDA path that a machine with a GPU can confirm, in one run of under
 8 minutes, summarised in one JSON file.
 
-    python3 -m benchmarks.gpu_check [--out DIR] [--budget SECONDS]      (or benchmarks/gpu_check.sh)
+    python3 -m benchmarks.gpu_check [--out DIR] [--budget SECONDS] [--only STEP ...]
+                                                            (or benchmarks/gpu_check.sh)
 
 Steps, each with its share of the budget: the Triton kernel tests run natively (not interpreted, bf16
-`tl.dot` included), the engine against transformers on CUDA (with and without CUDA graphs), the kernel
-benchmark (`benchmarks.gpu_kernels`: decode bandwidth against the device's copy bandwidth, the unified
-attention grid, fused layers, quantized matmul), and the mixed-workload throughput on CUDA with a random
-model of the bundled model's shapes (the bundled model's file is too large to carry to a lent machine; its
-shapes, not its weights, set the speed). Missing Python packages are installed from wheels in `.whl/` when
-there are any (lent machines have no registry). Without a GPU it writes a summary that says so and stops.
+`tl.dot` included), the engine against transformers on CUDA (`tests/engine/test_cuda_engine.py`), the
+kernel benchmark (`benchmarks.gpu_kernels`: decode bandwidth against the device's copy bandwidth, the
+unified attention grid, fused layers, quantized matmul), the mixed-workload throughput on CUDA and where a
+decode step's time goes (`benchmarks.step_profile`), the last two with a random model of the bundled
+model's shapes (the bundled model's file is too large to carry to a lent machine; its shapes, not its
+weights, set the speed). Missing Python packages are installed from wheels in `.whl/` when there are any
+(lent machines have no registry). Without a GPU it writes a summary that says so and stops.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,13 +70,13 @@ def steps(out: Path, model_dir: Path) -> list[Step]:
                 "-p",
                 "no:cacheprovider",
             ],
-            0.25,
+            0.20,
             no_interpreter,
         ),
         Step(
             "engine_vs_transformers_cuda",
             [python, "-m", "pytest", "-q", "tests/engine/test_cuda_engine.py", "-p", "no:cacheprovider"],
-            0.30,
+            0.25,
             no_interpreter,
         ),
         Step(
@@ -109,6 +111,23 @@ def steps(out: Path, model_dir: Path) -> list[Step]:
             0.25,
             no_interpreter,
             "offline_throughput.json",
+        ),
+        Step(
+            "step_profile_cuda",
+            [
+                python,
+                "-m",
+                "benchmarks.step_profile",
+                "--device",
+                "cuda",
+                "--model",
+                str(model_dir),
+                "--out",
+                str(out),
+            ],
+            0.10,
+            no_interpreter,
+            "step_profile.json",
         ),
     ]
 
@@ -172,7 +191,7 @@ def device_facts() -> dict:
     return facts
 
 
-def check(out: Path, budget: float, plan: list[Step] | None = None) -> dict:
+def check(out: Path, budget: float, plan: list[Step] | None = None, only: list[str] | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     summary: dict = {"device": device_facts(), "setup": install_wheels(ROOT / ".whl"), "steps": []}
@@ -181,6 +200,12 @@ def check(out: Path, budget: float, plan: list[Step] | None = None) -> dict:
     else:
         if plan is None:
             plan = steps(out, _random_model(Path(tempfile.mkdtemp(prefix="gpu-check-model-"))))
+        if only:  # a rerun: the steps named share the whole budget
+            plan = [
+                replace(step, share=step.share / sum(s.share for s in plan if s.name in only))
+                for step in plan
+                if step.name in only
+            ]
         for step in plan:
             left = budget - (time.monotonic() - started)
             if left < 5:
@@ -204,8 +229,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "benchmarks/results")))
     parser.add_argument("--budget", type=float, default=BUDGET, help="seconds for the whole check")
+    parser.add_argument("--only", nargs="+", metavar="STEP", help="run these steps alone (a rerun)")
     args = parser.parse_args()
-    summary = check(args.out, args.budget)
+    summary = check(args.out, args.budget, only=args.only)
     print(json.dumps({k: v for k, v in summary.items() if k != "steps"}, indent=2))
     for step in summary["steps"]:
         print(f"{step['name']}: {step['status']} in {step['seconds']} s")

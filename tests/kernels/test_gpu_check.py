@@ -25,6 +25,12 @@ def test_steps_pass_fail_time_out_and_report_results(tmp_path):
     assert json.loads((tmp_path / "gpu_check.json").read_text()) == summary
 
 
+def test_a_rerun_takes_only_the_steps_named(tmp_path):
+    plan = [Step(name, [sys.executable, "-c", "pass"], 0.5) for name in ("first", "second")]
+    summary = gpu_check.check(tmp_path, budget=20, plan=plan, only=["second"])
+    assert [s["name"] for s in summary["steps"]] == ["second"] and summary["passed"]
+
+
 def test_steps_beyond_the_budget_are_skipped(tmp_path):
     plan = [Step("long", [sys.executable, "-c", "import time; time.sleep(3)"], 1.0)] * 2
     summary = gpu_check.check(tmp_path, budget=6, plan=plan)
@@ -44,5 +50,6 @@ def test_the_plan_covers_the_cuda_path(tmp_path):
         "engine_vs_transformers_cuda",
         "gpu_kernels_benchmark",
         "offline_throughput_cuda",
+        "step_profile_cuda",
     ]
     assert sum(s.share for s in gpu_check.steps(tmp_path, tmp_path)) <= 1.0
