@@ -1,5 +1,6 @@
 """Linear layers on CUDA: dense weights through cuBLAS, quantized ones (`kernels.quantized`) through a
-Triton GEMM that dequantizes the packed weights in registers and feeds them to ``tl.dot``.
+Triton GEMM that dequantizes the packed weights in registers and feeds them to ``tl.dot``; a step of
+`DEQUANTIZE_ROWS` rows or more (a prompt) dequantizes the weight once and multiplies on cuBLAS instead.
 
 The same interface as `kernels.cpu.linear`: `pack` once at load, `linear(x, packed)` every step.
 
@@ -38,6 +39,11 @@ from ._common import INTERPRET, dot_precision, sm_count
 CHUNK = 64  # input features per step of the kernel: two halves of 32
 HALF = CHUNK // 2
 MAX_SPLIT_K = 16
+# From this many rows a quantized layer dequantizes its weight and multiplies on cuBLAS, as vLLM's AWQ layer
+# does from 256 tokens: a prompt-sized matmul runs several times faster there than in the fused kernel
+# (on an H200, 2,048 rows by Llama-8B's projections: 4-7x), and one pass over the weight costs about what
+# reading it does in the fused kernel.
+DEQUANTIZE_ROWS = 256
 
 
 @dataclass
@@ -237,6 +243,56 @@ def _quantized_matmul_kernel(
 
 
 @triton.jit
+def _dequantize_kernel(
+    q_ptr,
+    scale_ptr,
+    offset_ptr,
+    out_ptr,
+    N,
+    stride_q,
+    stride_s,
+    stride_o,
+    GROUP: tl.constexpr,
+    INT4: tl.constexpr,
+    HAS_OFFSET: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """One chunk of input features by BLOCK_N output columns of the weight, as the fused kernel computes
+    them (fp32, then rounded to the output's dtype), to ``out [padded K, N]`` in stored order."""
+    chunk = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_h = tl.arange(0, HALF)
+    n_mask = offs_n[None, :] < N
+    k_lo = chunk * 2 * HALF + offs_h
+    k_hi = k_lo + HALF
+    if INT4:
+        rows = chunk * HALF + offs_h
+        packed = tl.load(q_ptr + rows.to(tl.int64)[:, None] * stride_q + offs_n[None, :], mask=n_mask)
+        w_lo = (packed & 15).to(tl.float32)
+        w_hi = (packed >> 4).to(tl.float32)
+    else:
+        w_lo = tl.load(q_ptr + k_lo.to(tl.int64)[:, None] * stride_q + offs_n[None, :], mask=n_mask)
+        w_hi = tl.load(q_ptr + k_hi.to(tl.int64)[:, None] * stride_q + offs_n[None, :], mask=n_mask)
+        w_lo = w_lo.to(tl.float32)
+        w_hi = w_hi.to(tl.float32)
+    g_lo = (k_lo // GROUP)[:, None] * stride_s + offs_n[None, :]
+    g_hi = (k_hi // GROUP)[:, None] * stride_s + offs_n[None, :]
+    w_lo *= tl.load(scale_ptr + g_lo, mask=n_mask).to(tl.float32)
+    w_hi *= tl.load(scale_ptr + g_hi, mask=n_mask).to(tl.float32)
+    if HAS_OFFSET:
+        w_lo += tl.load(offset_ptr + g_lo, mask=n_mask).to(tl.float32)
+        w_hi += tl.load(offset_ptr + g_hi, mask=n_mask).to(tl.float32)
+    out_dtype = out_ptr.dtype.element_ty
+    tl.store(
+        out_ptr + k_lo.to(tl.int64)[:, None] * stride_o + offs_n[None, :], w_lo.to(out_dtype), mask=n_mask
+    )
+    tl.store(
+        out_ptr + k_hi.to(tl.int64)[:, None] * stride_o + offs_n[None, :], w_hi.to(out_dtype), mask=n_mask
+    )
+
+
+@triton.jit
 def _sum_splits_kernel(
     partial_ptr, bias_ptr, out_ptr, size, N, splits, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr
 ):
@@ -346,12 +402,53 @@ def quantized_matmul(
     return out
 
 
+def dequantize(packed: PackedLinear, dtype: torch.dtype) -> torch.Tensor:
+    """A quantized weight as ``dtype [padded K, out]``, its rows in stored order (act-order rows stay
+    permuted), each value rounded as the fused kernel rounds it before its dots."""
+    p = packed.quantized
+    padded_k = p.q.shape[0] * (2 if p.bits == 4 else 1)
+    n = packed.out_features
+    out = torch.empty(padded_k, n, dtype=dtype, device=p.q.device)
+    block_n = 128
+    _dequantize_kernel[(padded_k // CHUNK, triton.cdiv(n, block_n))](
+        p.q,
+        p.scale,
+        p.scale if p.offset is None else p.offset,
+        out,
+        n,
+        p.q.stride(0),
+        p.scale.stride(0),
+        out.stride(0),
+        GROUP=p.group_size,
+        INT4=p.bits == 4,
+        HAS_OFFSET=p.offset is not None,
+        HALF=HALF,
+        BLOCK_N=block_n,
+        num_warps=4,
+    )
+    return out
+
+
+def dequantized_matmul(
+    x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`quantized_matmul` for many rows: the weight dequantized once, then one dense matmul."""
+    p = packed.quantized
+    if x.shape[1] != packed.in_features:
+        raise ValueError(f"x has {x.shape[1]} features, the weight takes {packed.in_features}")
+    weight = dequantize(packed, x.dtype)[: packed.in_features]
+    if p.perm is not None:  # stored row k multiplies input feature perm[k]
+        x = x.index_select(1, p.perm)
+    return torch.addmm(bias, x, weight) if bias is not None else x @ weight
+
+
 def linear(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] -> [..., out] in x's dtype."""
     if packed.quantized is None:
         return F.linear(x, packed.dense, bias)
     rows = x.reshape(-1, x.shape[-1])
-    return quantized_matmul(rows, packed, bias).view(*x.shape[:-1], packed.out_features)
+    matmul = dequantized_matmul if rows.shape[0] >= DEQUANTIZE_ROWS else quantized_matmul
+    return matmul(rows, packed, bias).view(*x.shape[:-1], packed.out_features)
 
 
 def embedding(ids: torch.Tensor, packed: PackedLinear, dtype: torch.dtype) -> torch.Tensor:

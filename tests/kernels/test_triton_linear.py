@@ -10,7 +10,9 @@ pytest.importorskip("triton")
 from kernels.quantized import Int4Weight, Int8Weight
 from kernels.triton.linear import (
     CHUNK,
+    DEQUANTIZE_ROWS,
     MAX_SPLIT_K,
+    dequantize,
     dequantize_rows,
     embedding,
     linear,
@@ -124,6 +126,26 @@ def test_dtypes_bias_and_fixed_splits(gen, rand, device, fmt, dtype, split_k):
     out = quantized_matmul(x, packed, bias, config=config)
 
     assert out.dtype == dtype
+    _assert_matmul_close(out, x.float() @ weight.dequantize().T + bias.float())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_large_steps_multiply_the_dequantized_weight(gen, rand, device, fmt):
+    """From DEQUANTIZE_ROWS rows the weight is dequantized once (each value as the fused kernel computes
+    it, rows in stored order) and multiplied densely: the same result, bias added once."""
+    in_features, out_features = 160, 200  # K padded to 192, N past one column block
+    weight = _to(FORMATS[fmt](gen, out_features, in_features), device)
+    packed = pack(weight, BF16)
+    x = rand(DEQUANTIZE_ROWS, in_features, dtype=BF16)
+    bias = rand(out_features, dtype=BF16)
+
+    stored = dequantize(packed, torch.float32)
+    assert stored.shape == (192, out_features) and not stored[in_features:].any()
+    reference = weight.dequantize().T
+    if weight.perm is not None:
+        reference = reference[weight.perm]
+    torch.testing.assert_close(stored[:in_features], reference, rtol=1e-6, atol=1e-7)
+    out = linear(x, packed, bias)
     _assert_matmul_close(out, x.float() @ weight.dequantize().T + bias.float())
 
 
