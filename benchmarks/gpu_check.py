@@ -70,13 +70,13 @@ def steps(out: Path, model_dir: Path) -> list[Step]:
                 "-p",
                 "no:cacheprovider",
             ],
-            0.20,
+            0.15,
             no_interpreter,
         ),
         Step(
             "engine_vs_transformers_cuda",
             [python, "-m", "pytest", "-q", "tests/engine/test_cuda_engine.py", "-p", "no:cacheprovider"],
-            0.25,
+            0.20,
             no_interpreter,
         ),
         Step(
@@ -89,7 +89,7 @@ def steps(out: Path, model_dir: Path) -> list[Step]:
                 str(out / "gpu_kernels.json"),
                 "--skip-throughput",  # the next step runs it, on a model this machine has
             ],
-            0.20,
+            0.25,
             no_interpreter,
             "gpu_kernels.json",
         ),
@@ -125,7 +125,7 @@ def steps(out: Path, model_dir: Path) -> list[Step]:
                 "--out",
                 str(out),
             ],
-            0.10,
+            0.15,
             no_interpreter,
             "step_profile.json",
         ),

@@ -1,12 +1,13 @@
 """Where a decode step's time goes: the engine's wall time per step against the time the device spends
-in kernels, and the host functions that take the rest, at a few batch sizes.
+in kernels, and the host functions that take the rest, at a few batch sizes, greedy and sampled.
 
     python -m benchmarks.step_profile [--model DIR] [--device cuda] [--batches 1 8 32] [--out DIR]
 
 On a GPU a small model's step is bound by the host (scheduling, input preparation, sampling glue, kernel
-launches) long before the GPU is busy; this says by how much and where. Each batch decodes short prompts
-with greedy sampling: first timed plain (the wall time per step), then under torch's profiler (kernel time
-per step) and under cProfile (host functions by own time). Writes step_profile.json and a plot.
+launches) long before the GPU is busy; this says by how much and where. Each batch decodes short prompts,
+greedy and then sampled (temperature 0.8, top-p 0.95, seeded, as the mixed-workload benchmark samples):
+first timed plain (the wall time per step), then under torch's profiler (kernel time per step) and under
+cProfile (host functions by own time). Writes step_profile.json and a plot.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from inference_engine import LLM, SamplingParams
 
 PROMPT = "Tell me a long story about the sea and the ships that sail on it."
+SAMPLINGS = {"greedy": {"temperature": 0.0}, "sampled": {"temperature": 0.8, "top_p": 0.95, "seed": 0}}
 
 
 def _steps(llm: LLM, count: int) -> list[float]:
@@ -63,10 +65,10 @@ def _host_functions(llm: LLM, count: int, top: int = 15) -> list[dict]:
     ]
 
 
-def profile_batch(llm: LLM, batch: int, steps: int) -> dict:
+def profile_batch(llm: LLM, batch: int, steps: int, sampling: str = "greedy") -> dict:
     engine = llm.llm_engine
-    params = SamplingParams(temperature=0.0, max_tokens=8 + 4 * steps, ignore_eos=True)
-    ids = [f"b{batch}-{i}" for i in range(batch)]
+    params = SamplingParams(max_tokens=8 + 4 * steps, ignore_eos=True, **SAMPLINGS[sampling])
+    ids = [f"{sampling}-b{batch}-{i}" for i in range(batch)]
     for request_id in ids:
         engine.add_request(request_id, PROMPT, params)
     _steps(llm, 8)  # prompts, then warm decode steps
@@ -76,6 +78,7 @@ def profile_batch(llm: LLM, batch: int, steps: int) -> dict:
     engine.abort_request(ids)
     return {
         "batch": batch,
+        "sampling": sampling,
         "step_ms": 1e3 * statistics.median(wall),
         "kernel_ms_per_step": kernel_ms,
         "host_functions": host,
@@ -88,12 +91,12 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    batches = [str(r["batch"]) for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    batches = [f"{r['batch']} {r['sampling']}" for r in rows]
     ax.bar(batches, [r["step_ms"] for r in rows], label="engine step (wall)")
     if all(r["kernel_ms_per_step"] is not None for r in rows):
         ax.bar(batches, [r["kernel_ms_per_step"] for r in rows], width=0.4, label="device kernels")
-    ax.set_xlabel("decode batch")
+    ax.set_xlabel("decode batch, sampling")
     ax.set_ylabel("ms per step")
     ax.legend()
     fig.tight_layout()
@@ -111,7 +114,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
     llm = LLM(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=max(args.batches))
-    rows = [profile_batch(llm, batch, args.steps) for batch in args.batches]
+    rows = [
+        profile_batch(llm, batch, args.steps, sampling) for batch in args.batches for sampling in SAMPLINGS
+    ]
     result = {"model": args.model or "bundled", "device": str(llm.llm_engine.runner.device), "batches": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "step_profile.json").write_text(json.dumps(result, indent=2))
@@ -119,7 +124,8 @@ def main() -> None:
     for row in rows:
         kernels = row["kernel_ms_per_step"]
         print(
-            f"batch {row['batch']}: step {row['step_ms']:.2f} ms, kernels {kernels and f'{kernels:.2f}'} ms"
+            f"batch {row['batch']} {row['sampling']}: step {row['step_ms']:.2f} ms, "
+            f"kernels {kernels and f'{kernels:.2f}'} ms"
         )
         for f in row["host_functions"][:8]:
             print(
