@@ -40,9 +40,9 @@ CHUNK = 64  # input features per step of the kernel: two halves of 32
 HALF = CHUNK // 2
 MAX_SPLIT_K = 16
 # From this many rows a quantized layer dequantizes its weight and multiplies on cuBLAS, as vLLM's AWQ layer
-# does from 256 tokens: a prompt-sized matmul runs several times faster there than in the fused kernel
-# (on an H200, 2,048 rows by Llama-8B's projections: 4-7x), and one pass over the weight costs about what
-# reading it does in the fused kernel.
+# does from 256 tokens: a prompt-sized matmul runs several times faster there than in the fused kernel (see
+# benchmarks/gpu_kernels.py), and one pass over the weight costs about what reading it does in the fused
+# kernel.
 DEQUANTIZE_ROWS = 256
 
 
