@@ -444,8 +444,8 @@ def cuda_median_ms(fn: Callable[[], object], iters: int, flush: torch.Tensor, gr
 
     With ``graph``, ``fn`` is captured once in a CUDA graph and its replays are timed, as the engine replays
     its decode steps: a Triton launch from Python takes tens of microseconds of host time, longer than a
-    small kernel runs, so eager timing measures the launch (70-100 us a decode call on an H200, whatever
-    its size). A call that cannot be captured (one that waits on the device) is timed eagerly."""
+    small kernel runs, so eager timing would measure the launch. A call that cannot be captured (one that
+    waits on the device) is timed eagerly."""
     for _ in range(3):
         fn()
     if graph:
