@@ -129,6 +129,53 @@ def dequantize_rows(packed: PackedLinear, rows: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _weight_halves(
+    q_ptr,
+    scale_ptr,
+    offset_ptr,
+    chunk,
+    offs_n,
+    n_mask,
+    stride_q,
+    stride_s,
+    GROUP: tl.constexpr,
+    INT4: tl.constexpr,
+    HAS_OFFSET: tl.constexpr,
+    HALF: tl.constexpr,
+):
+    """The weight of one chunk's two halves of input features for columns ``offs_n`` (``n_mask``: [1, N]),
+    dequantized in fp32: [HALF, BLOCK_N] each. The fused kernel and `_dequantize_kernel` both take their
+    values from here, so a prompt's dense matmul sees the values a decode step's dots see."""
+    offs_h = tl.arange(0, HALF)
+    k_lo = chunk * 2 * HALF + offs_h
+    k_hi = k_lo + HALF
+    if INT4:
+        rows = chunk * HALF + offs_h
+        packed = tl.load(q_ptr + rows.to(tl.int64)[:, None] * stride_q + offs_n[None, :], mask=n_mask)
+        w_lo = (packed & 15).to(tl.float32)
+        w_hi = (packed >> 4).to(tl.float32)
+    else:
+        w_lo = tl.load(q_ptr + k_lo.to(tl.int64)[:, None] * stride_q + offs_n[None, :], mask=n_mask)
+        w_hi = tl.load(q_ptr + k_hi.to(tl.int64)[:, None] * stride_q + offs_n[None, :], mask=n_mask)
+        w_lo = w_lo.to(tl.float32)
+        w_hi = w_hi.to(tl.float32)
+
+    # Scales: one row per half when groups are whole halves, else one per feature.
+    if GROUP % HALF == 0:
+        g_lo = chunk * 2 * HALF // GROUP
+        g_hi = (chunk * 2 * HALF + HALF) // GROUP
+    else:
+        g_lo = (k_lo // GROUP)[:, None]
+        g_hi = (k_hi // GROUP)[:, None]
+    w_lo *= tl.load(scale_ptr + g_lo * stride_s + offs_n[None, :], mask=n_mask).to(tl.float32)
+    w_hi *= tl.load(scale_ptr + g_hi * stride_s + offs_n[None, :], mask=n_mask).to(tl.float32)
+    if HAS_OFFSET:
+        w_lo += tl.load(offset_ptr + g_lo * stride_s + offs_n[None, :], mask=n_mask).to(tl.float32)
+        w_hi += tl.load(offset_ptr + g_hi * stride_s + offs_n[None, :], mask=n_mask).to(tl.float32)
+    return w_lo, w_hi
+
+
+@triton.jit
 def _quantized_matmul_kernel(
     x_ptr,
     q_ptr,
@@ -196,39 +243,20 @@ def _quantized_matmul_kernel(
         x_lo = tl.load(x_rows + col_lo[None, :], mask=m_mask[:, None] & lo_mask[None, :], other=0.0)
         x_hi = tl.load(x_rows + col_hi[None, :], mask=m_mask[:, None] & hi_mask[None, :], other=0.0)
 
-        # Weights: integer values of both halves, [HALF, BLOCK_N] each.
-        if INT4:
-            rows = chunk * HALF + offs_h
-            packed = tl.load(
-                q_ptr + rows.to(tl.int64)[:, None] * stride_q + offs_n[None, :], mask=n_mask[None, :]
-            )
-            w_lo = (packed & 15).to(tl.float32)
-            w_hi = (packed >> 4).to(tl.float32)
-        else:
-            w_lo = tl.load(
-                q_ptr + k_lo.to(tl.int64)[:, None] * stride_q + offs_n[None, :], mask=n_mask[None, :]
-            ).to(tl.float32)
-            w_hi = tl.load(
-                q_ptr + k_hi.to(tl.int64)[:, None] * stride_q + offs_n[None, :], mask=n_mask[None, :]
-            ).to(tl.float32)
-
-        # Scales: one row per half when groups are whole halves, else one per feature.
-        if GROUP % HALF == 0:
-            g_lo = chunk * 2 * HALF // GROUP
-            g_hi = (chunk * 2 * HALF + HALF) // GROUP
-        else:
-            g_lo = (k_lo // GROUP)[:, None]
-            g_hi = (k_hi // GROUP)[:, None]
-        w_lo *= tl.load(scale_ptr + g_lo * stride_s + offs_n[None, :], mask=n_mask[None, :]).to(tl.float32)
-        w_hi *= tl.load(scale_ptr + g_hi * stride_s + offs_n[None, :], mask=n_mask[None, :]).to(tl.float32)
-        if HAS_OFFSET:
-            w_lo += tl.load(offset_ptr + g_lo * stride_s + offs_n[None, :], mask=n_mask[None, :]).to(
-                tl.float32
-            )
-            w_hi += tl.load(offset_ptr + g_hi * stride_s + offs_n[None, :], mask=n_mask[None, :]).to(
-                tl.float32
-            )
-
+        w_lo, w_hi = _weight_halves(
+            q_ptr,
+            scale_ptr,
+            offset_ptr,
+            chunk,
+            offs_n,
+            n_mask[None, :],
+            stride_q,
+            stride_s,
+            GROUP,
+            INT4,
+            HAS_OFFSET,
+            HALF,
+        )
         acc = tl.dot(x_lo.to(dot_dtype), w_lo.to(dot_dtype), acc, input_precision=DOT_PRECISION)
         acc = tl.dot(x_hi.to(dot_dtype), w_hi.to(dot_dtype), acc, input_precision=DOT_PRECISION)
 
@@ -258,38 +286,19 @@ def _dequantize_kernel(
     HALF: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """One chunk of input features by BLOCK_N output columns of the weight, as the fused kernel computes
-    them (fp32, then rounded to the output's dtype), to ``out [padded K, N]`` in stored order."""
+    """One chunk of input features by BLOCK_N output columns of the weight, rounded to the output's dtype as
+    the fused kernel rounds them before its dots, to ``out [padded K, N]`` in stored order."""
     chunk = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_h = tl.arange(0, HALF)
     n_mask = offs_n[None, :] < N
-    k_lo = chunk * 2 * HALF + offs_h
-    k_hi = k_lo + HALF
-    if INT4:
-        rows = chunk * HALF + offs_h
-        packed = tl.load(q_ptr + rows.to(tl.int64)[:, None] * stride_q + offs_n[None, :], mask=n_mask)
-        w_lo = (packed & 15).to(tl.float32)
-        w_hi = (packed >> 4).to(tl.float32)
-    else:
-        w_lo = tl.load(q_ptr + k_lo.to(tl.int64)[:, None] * stride_q + offs_n[None, :], mask=n_mask)
-        w_hi = tl.load(q_ptr + k_hi.to(tl.int64)[:, None] * stride_q + offs_n[None, :], mask=n_mask)
-        w_lo = w_lo.to(tl.float32)
-        w_hi = w_hi.to(tl.float32)
-    g_lo = (k_lo // GROUP)[:, None] * stride_s + offs_n[None, :]
-    g_hi = (k_hi // GROUP)[:, None] * stride_s + offs_n[None, :]
-    w_lo *= tl.load(scale_ptr + g_lo, mask=n_mask).to(tl.float32)
-    w_hi *= tl.load(scale_ptr + g_hi, mask=n_mask).to(tl.float32)
-    if HAS_OFFSET:
-        w_lo += tl.load(offset_ptr + g_lo, mask=n_mask).to(tl.float32)
-        w_hi += tl.load(offset_ptr + g_hi, mask=n_mask).to(tl.float32)
+    w_lo, w_hi = _weight_halves(
+        q_ptr, scale_ptr, offset_ptr, chunk, offs_n, n_mask, stride_q, stride_s, GROUP, INT4, HAS_OFFSET, HALF
+    )
+    k_lo = chunk * 2 * HALF + tl.arange(0, HALF)
+    out_rows = out_ptr + k_lo.to(tl.int64)[:, None] * stride_o + offs_n[None, :]
     out_dtype = out_ptr.dtype.element_ty
-    tl.store(
-        out_ptr + k_lo.to(tl.int64)[:, None] * stride_o + offs_n[None, :], w_lo.to(out_dtype), mask=n_mask
-    )
-    tl.store(
-        out_ptr + k_hi.to(tl.int64)[:, None] * stride_o + offs_n[None, :], w_hi.to(out_dtype), mask=n_mask
-    )
+    tl.store(out_rows, w_lo.to(out_dtype), mask=n_mask)
+    tl.store(out_rows + HALF * stride_o, w_hi.to(out_dtype), mask=n_mask)
 
 
 @triton.jit
