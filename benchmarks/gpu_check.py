@@ -201,11 +201,9 @@ def check(out: Path, budget: float, plan: list[Step] | None = None, only: list[s
         if plan is None:
             plan = steps(out, _random_model(Path(tempfile.mkdtemp(prefix="gpu-check-model-"))))
         if only:  # a rerun: the steps named share the whole budget
-            plan = [
-                replace(step, share=step.share / sum(s.share for s in plan if s.name in only))
-                for step in plan
-                if step.name in only
-            ]
+            plan = [step for step in plan if step.name in only]
+            total = sum(step.share for step in plan)
+            plan = [replace(step, share=step.share / total) for step in plan]
         for step in plan:
             left = budget - (time.monotonic() - started)
             if left < 5:

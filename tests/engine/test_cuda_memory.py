@@ -1,6 +1,6 @@
 """The KV budget on CUDA: gpu_memory_utilization is each engine's share of the device, as in vLLM. The
-arithmetic runs here with the device's memory readings stood in (they need a GPU); the GPU check runs two
-engines in one process for real (tests/engine/test_cuda_engine.py)."""
+arithmetic runs here with the device's memory readings stood in (they need a GPU); the GPU check runs
+several engines in one process for real (tests/engine/test_cuda_engine.py)."""
 
 from __future__ import annotations
 
