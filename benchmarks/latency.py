@@ -7,7 +7,9 @@ Both sides generate 128 tokens per request (ignore_eos, greedy). Time per output
 request's first token to its last over 127, for our engine both step by step and with `--num-scheduler-steps`
 decode steps a call (default 8; the same engine, switched between runs); time to first token is measured for a
 30-token and a 1,000-token prompt, offline (in-process `LLM`) and through the whole HTTP stack (daphne, bus,
-engine: a streamed `/v1/completions`) against llama.cpp's streamed `/completion`. The weights floor is the
+engine: a streamed `/v1/completions`) against llama.cpp's streamed `/completion`, and beside them, in the same
+turns, the round trip of a one-line file from Python's http.server: what any server pays here before it does
+any work (on a virtual machine whose idle cores wake slowly, milliseconds). The weights floor is the
 time to read the model's weights once at the bandwidth measured in the same run: before the runs and again
 before each batch-1 run, since a shared machine's bandwidth drifts from one minute to the next. The floor
 reported is the fastest of those reads, and batch 1 is given both as its best time over that floor and as each
@@ -19,9 +21,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import gguf
@@ -71,7 +79,11 @@ def json_request(url: str, body: dict, headers: dict) -> urllib.request.Request:
 
 def streamed_first_token(url: str, body: dict, headers: dict) -> tuple[float, float]:
     """Wall-clock times of sending a streamed completion and of its first token's bytes."""
-    request = json_request(url, body, headers)
+    return first_data_line(json_request(url, body, headers))
+
+
+def first_data_line(request: urllib.request.Request) -> tuple[float, float]:
+    """Wall-clock times of sending `request` and of the first `data:` line of its reply."""
     sent = time.time()
     with urllib.request.urlopen(request, timeout=600) as reply:
         for line in reply:
@@ -89,6 +101,31 @@ def http_ttft(url: str, body: dict, headers: dict) -> float:
     """Seconds from sending a streamed completion to its first token's bytes."""
     sent, first = streamed_first_token(url, body, headers)
     return first - sent
+
+
+@contextmanager
+def trivial_http_server() -> Iterator[str]:
+    """The URL of a file holding one `data:` line, served by Python's http.server in a process of its own:
+    what any HTTP round trip costs here (a new connection, two processes woken), none of it ours."""
+    with tempfile.TemporaryDirectory() as root, socket.socket() as probe:
+        Path(root, "event").write_text("data: {}\n")
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+        probe.close()
+        command = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", root]
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        url = f"http://127.0.0.1:{port}/event"
+        try:
+            for _ in range(100):
+                try:
+                    first_data_line(urllib.request.Request(url))
+                    break
+                except OSError:
+                    time.sleep(0.05)
+            yield url
+        finally:
+            process.terminate()
+            process.wait()
 
 
 # ------------------------------------------------------------------------------------------- llama.cpp
@@ -211,27 +248,32 @@ def http_ttfts(model: Path, args, prompts: dict[int, str], server, result: dict)
         "8",
     ]
     flags += ["--max-model-len", "2048", "--log-level", "WARNING"]
-    stack = Stack(model="bench", engine_flags=flags).start()
     ours: dict[int, float] = {}
+    result["http_round_trip_ms"] = {}
+    stack = Stack(model="bench", engine_flags=flags).start()
     try:
         headers = {"Authorization": f"Bearer {stack.api_key}"}
         url = f"{stack.base_url}/v1/completions"
-        for n, prompt in prompts.items():
-            body = {"model": "bench", "prompt": prompt, "max_tokens": 4, "stream": True, "temperature": 0}
-            times, theirs = [], []
-            for i in range(args.repeats + 1):  # the first of each side warms up
-                times.append(http_ttft(url, {**body, "prompt": f"{i} {prompt}"}, headers))
+        with trivial_http_server() as trivial:
+            for n, prompt in prompts.items():
+                body = {"model": "bench", "prompt": prompt, "max_tokens": 4, "stream": True, "temperature": 0}
+                times, theirs, round_trips = [], [], []
+                for i in range(args.repeats + 1):  # the first of each side warms up
+                    times.append(http_ttft(url, {**body, "prompt": f"{i} {prompt}"}, headers))
+                    if server is not None:
+                        llama_body = {
+                            "prompt": f"{i} {prompt}",
+                            "n_predict": 4,
+                            "stream": True,
+                            "cache_prompt": False,
+                        }
+                        theirs.append(http_ttft(f"{server.url}/completion", llama_body, {}))
+                    sent, first = first_data_line(urllib.request.Request(trivial))
+                    round_trips.append(first - sent)
+                ours[n] = 1000 * min(times[1:])
+                result["http_round_trip_ms"][n] = 1000 * min(round_trips[1:])
                 if server is not None:
-                    llama_body = {
-                        "prompt": f"{i} {prompt}",
-                        "n_predict": 4,
-                        "stream": True,
-                        "cache_prompt": False,
-                    }
-                    theirs.append(http_ttft(f"{server.url}/completion", llama_body, {}))
-            ours[n] = 1000 * min(times[1:])
-            if server is not None:
-                result["llamacpp"]["ttft_http_ms"][n] = 1000 * min(theirs[1:])
+                    result["llamacpp"]["ttft_http_ms"][n] = 1000 * min(theirs[1:])
     finally:
         stack.stop()
     return ours
@@ -266,6 +308,9 @@ def plot(result: dict, path: Path) -> None:
             for n, ms in (result[name].get(kind) or {}).items():
                 labels.append(f"{name}\n{kind[5:-3]} {n}")
                 values.append(ms)
+    for n, ms in result.get("http_round_trip_ms", {}).items():
+        labels.append(f"any HTTP\nround trip ({n})")
+        values.append(ms)
     right.bar(range(len(values)), values)
     right.set_xticks(range(len(values)), labels, fontsize=7)
     right.set(ylabel="ms to first token", title="Time to first token (30 / 1,000-token prompts)")
