@@ -16,7 +16,9 @@ request splits into:
 5. **relay**: to the first token's bytes at the client (the web process reading it and sending the event).
 
 MONITOR costs Redis a little per command, so the totals run slightly above `benchmarks.latency`'s. Medians and
-minima per stage; JSON and a PNG under benchmarks/results/.
+minima per stage; beside them, a one-line file from Python's http.server after the same pause (what any
+request pays a machine whose idle cores wake slowly, before any server does its work). JSON and a PNG under
+benchmarks/results/.
 """
 
 from __future__ import annotations
@@ -34,7 +36,13 @@ import gguf
 import redis
 
 from benchmarks.gguf_files import rewritten
-from benchmarks.latency import SENTENCE, json_request, streamed_first_token
+from benchmarks.latency import (
+    SENTENCE,
+    first_data_line,
+    json_request,
+    streamed_first_token,
+    trivial_http_server,
+)
 from inference_engine.engine_loop import on_a_thread_that_ends
 from tests.web.stack import Stack
 
@@ -97,7 +105,7 @@ def main() -> None:
     flags = ["--model", str(model), "--dtype", "bfloat16", "--threads", str(args.threads)]
     flags += ["--max-num-seqs", "8", "--max-model-len", "2048", "--log-level", "WARNING"]
     stack = Stack(model="bench", engine_flags=flags).start()
-    rows = []
+    rows, round_trips = [], []
     try:
         headers = {"Authorization": f"Bearer {stack.api_key}"}
         text = {"model": "bench", "prompt": SENTENCE * 8}
@@ -109,13 +117,17 @@ def main() -> None:
             streamed_first_token(url, {**body, "prompt": f"warm-up {i} {prompt}"}, headers)
         log = CommandLog(stack.redis.url)
         time.sleep(0.2)
-        for i in range(args.requests):
-            # A prefix of its own: no request finds a block of its prompt in the prefix cache.
-            sent, first = streamed_first_token(url, {**body, "prompt": f"{i} {prompt}"}, headers)
-            time.sleep(0.2)  # the last commands of the request reach the log
-            split = stages(sent, first, log.between(sent, first))
-            if split is not None:
-                rows.append([*split, 1000 * (first - sent)])
+        with trivial_http_server() as trivial:
+            for i in range(args.requests):
+                # A prefix of its own: no request finds a block of its prompt in the prefix cache.
+                sent, first = streamed_first_token(url, {**body, "prompt": f"{i} {prompt}"}, headers)
+                time.sleep(0.2)  # the last commands of the request reach the log
+                split = stages(sent, first, log.between(sent, first))
+                if split is not None:
+                    rows.append([*split, 1000 * (first - sent)])
+                sent, first = first_data_line(urllib.request.Request(trivial))  # after the same pause
+                round_trips.append(1000 * (first - sent))
+                time.sleep(0.2)
         log.close()
     finally:
         stack.stop()
@@ -126,6 +138,7 @@ def main() -> None:
         "requests": len(rows),
         "median_ms": {c: statistics.median(r[i] for r in rows) for i, c in enumerate(columns)},
         "min_ms": {c: min(r[i] for r in rows) for i, c in enumerate(columns)},
+        "trivial_round_trip_ms": {"median": statistics.median(round_trips), "min": min(round_trips)},
     }
     (args.out / "first_token.json").write_text(json.dumps(result, indent=2))
     plot(result, args.out / "first_token.png")
@@ -145,6 +158,9 @@ def plot(result: dict, path: Path) -> None:
             width = result[kind][stage]
             ax.barh(row, width, left=left, color=f"C{i}", label=stage if row == 0 else None)
             left += width
+    for row, kind in enumerate(("median", "min")):
+        ms = result["trivial_round_trip_ms"][kind]
+        ax.plot([ms, ms], [row - 0.4, row + 0.4], "k:", label="a trivial HTTP server" if row == 0 else None)
     ax.set_yticks([0, 1], ["median", "minimum"])
     ax.set_xlabel("ms from the client's send to the first token's bytes")
     ax.set_title(f"First token of a {result['prompt_tokens']}-token prompt, {result['requests']} requests")
