@@ -122,6 +122,8 @@ def trivial_http_server() -> Iterator[str]:
                     break
                 except OSError:
                     time.sleep(0.05)
+            else:
+                raise RuntimeError("Python's http.server did not answer within 5 s")
             yield url
         finally:
             process.terminate()
