@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,6 +37,7 @@ import torch
 from benchmarks.gguf_files import rewritten
 from benchmarks.offline_throughput import measure_read_bandwidth, step_read_bytes
 from inference_engine import LLM, SamplingParams
+from inference_engine.bus.redis_server import free_port
 from inference_engine.engine_loop import on_a_thread_that_ends
 from inference_engine.model_loader import default_model_path
 
@@ -107,11 +107,9 @@ def http_ttft(url: str, body: dict, headers: dict) -> float:
 def trivial_http_server() -> Iterator[str]:
     """The URL of a file holding one `data:` line, served by Python's http.server in a process of its own:
     what any HTTP round trip costs here (a new connection, two processes woken), none of it ours."""
-    with tempfile.TemporaryDirectory() as root, socket.socket() as probe:
+    with tempfile.TemporaryDirectory() as root:
         Path(root, "event").write_text("data: {}\n")
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-        probe.close()
+        port = free_port()
         command = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", root]
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         url = f"http://127.0.0.1:{port}/event"

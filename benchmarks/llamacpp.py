@@ -18,7 +18,6 @@ import hashlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tarfile
@@ -27,6 +26,8 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from inference_engine.bus.redis_server import free_port
 
 PACKAGE = "llama-cpp-python"
 CACHE = Path(os.environ.get("LLMSERVE_CACHE", Path.home() / ".cache" / "llmserve")) / "llama.cpp"
@@ -118,12 +119,6 @@ def build_server(jobs: int | None = None, timeout: float = 3 * 3600, log=print) 
         return target / BINARY
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class LlamaServer:
     """One llama-server process serving `model` on loopback; a context manager that stops it on exit.
 
@@ -143,7 +138,7 @@ class LlamaServer:
         self.binary = binary or build_server()
         self.model, self.parallel, self.threads = Path(model), parallel, threads
         self.ctx = parallel * ctx_per_slot
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
         self.repack = True  # llama.cpp's weight repacking for its CPU kernels (see `__enter__`)

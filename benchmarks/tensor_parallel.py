@@ -77,11 +77,11 @@ def _all_reduce_latency(rank: int, port: int, rows: list[int], hidden: int, resu
 
 
 def all_reduce_latency(rows: list[int], hidden: int) -> dict[int, float]:
-    from inference_engine.tp_workers import _free_port
+    from inference_engine.bus.redis_server import free_port
 
     with mp.Manager() as manager:
         result = manager.dict()
-        mp.spawn(_all_reduce_latency, args=(_free_port(), rows, hidden, result), nprocs=2)
+        mp.spawn(_all_reduce_latency, args=(free_port(), rows, hidden, result), nprocs=2)
         return dict(result)
 
 
