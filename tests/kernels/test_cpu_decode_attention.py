@@ -85,6 +85,61 @@ def test_result_does_not_depend_on_thread_count(paged_kv, rand, threads):
     assert torch.equal(one, many)
 
 
+# (query_lens, seq_lens, block_size, head_dim, num_heads, num_kv_heads, dtype): one step's tokens, each a
+# one-token query of its own, as `per_token` hands them over; a sequence's consecutive tokens (drafts, short
+# prefill chunks) starting and ending inside blocks and across their ends.
+RUNS = [
+    ([5], [451], 16, 64, 9, 3, BF16),
+    ([5], [20], 16, 64, 9, 3, BF16),
+    ([3, 1, 9], [33, 40, 18], 16, 64, 9, 3, BF16),
+    ([17], [17], 16, 128, 8, 2, BF16),
+    ([2, 4], [300, 65], 32, 128, 28, 4, BF16),
+    ([4, 1], [70, 9], 8, 80, 16, 2, BF16),
+    ([6, 2], [100, 15], 16, 64, 9, 3, F32),
+]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(
+    ("query_lens", "seq_lens", "block_size", "head_dim", "heads", "kv_heads", "dtype"), RUNS
+)
+def test_tokens_of_one_sequence_get_the_bits_they_get_alone(
+    paged_kv, rand, threads, query_lens, seq_lens, block_size, head_dim, heads, kv_heads, dtype
+):
+    """A sequence's tokens in one step (speculative drafts, short prefill chunks) each get exactly the bits
+    they get as a step's only query, whatever shares the step and the threads: drafts verify as decoding
+    decides."""
+    from inference_engine.attention import AttentionMetadata
+
+    kv = paged_kv(seq_lens, block_size, kv_heads, head_dim, dtype)
+    starts = [0, *itertools.accumulate(query_lens)]
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(starts[-1], dtype=torch.int64),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=kv.seq_lens,
+        block_tables=kv.block_tables,
+        query_lens=query_lens,
+        context_lens=[s - n for s, n in zip(seq_lens, query_lens, strict=True)],
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+    )
+    tables, lens = meta.per_token()
+    q = rand(starts[-1], heads + 2 * kv_heads, head_dim, dtype=dtype)[:, :heads]
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        together = cpu_attention.paged_decode(q, kv.k_cache, kv.v_cache, tables, lens, 0.125)
+        alone = []
+        for t in range(starts[-1]):
+            one = slice(t, t + 1)
+            caches = (kv.k_cache, kv.v_cache)
+            alone.append(cpu_attention.paged_decode(q[one], *caches, tables[one], lens[one], 0.125))
+    finally:
+        torch.set_num_threads(previous)
+    assert not together.isnan().any()
+    assert torch.equal(together, torch.cat(alone))
+
+
 def test_declines_what_it_cannot_run(paged_kv, rand):
     """fp16 caches and blocks larger than the kernel's fixed limit go to the PyTorch path (None here)."""
     kv = paged_kv([20], 16, 3, 64, torch.float16)
