@@ -63,8 +63,9 @@ class LLMEngine:
         self.proposer: NgramProposer | None = None
         if config.speculative_config:
             quantized = loaded.quantization != "none"
-            ngram = NgramConfig.from_dict(config.speculative_config, self.runner.device.type, quantized)
-            self.proposer = NgramProposer(ngram, self.max_model_len)
+            device = self.runner.device.type
+            ngram = NgramConfig.from_dict(config.speculative_config, device, quantized)
+            self.proposer = NgramProposer(ngram, self.max_model_len, device)
         self.sampler = Sampler(self.tokenizer.eos_token_ids, config.seed)
         self.vocab_size = loaded.config.vocab_size  # the width of the model's logits
         self.structured = StructuredOutputs(self.tokenizer, self.vocab_size)

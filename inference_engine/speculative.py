@@ -3,27 +3,26 @@
 
 Before each step, a decoding sequence whose last n tokens (n from `prompt_lookup_max` down to
 `prompt_lookup_min`) also occur earlier in its prompt or output proposes the k tokens that followed that
-earlier occurrence. The step runs the proposals through the model together with the sequence's newest
-token, and the sampler keeps the longest prefix the model agrees with plus one token of its own
-(`Sampler.verify`: for greedy requests exactly the tokens greedy decoding gives; for sampled ones by
-rejection sampling, which keeps the output distribution). The engine then rolls back what the rejected
-tokens left behind (`LLMEngine._settle`). Summaries and extractions quote their sources, which is where
-this pays; a large batch already keeps the hardware busy, so above `disable_by_batch_size` running
-sequences nothing is proposed. Unset, that limit is `CPU_BATCH_LIMIT` on a CPU, where verifying drafts costs
-compute that a batch of several sequences already saturates (`benchmarks/speculative.py`), lower for quantized
-weights, whose kernels spend more arithmetic on each extra row, and 0 (never) for quantized weights on a CPU
-without AVX512-VNNI, where each extra row costs about what the first does; none on a GPU, where a step's
-extra tokens are nearly free. JSON null lifts it. Nor for structured-output requests: a draft
-token their grammar forbids would have to be masked position by position, and a copied n-gram rarely fits a
-grammar anyway.
+earlier occurrence. On a CPU a match shorter than `CPU_CONFIDENT_MATCH` tokens proposes one token only: a
+common pair ("of the") often predicts the token after it but seldom the ones after that, and each row a step
+verifies costs an eighth (bf16) to a quarter (quantized) of a one-row step there. The step runs the proposals
+through the model together with the sequence's newest token, and the sampler keeps the longest prefix the
+model agrees with plus one token of its own (`Sampler.verify`: for greedy requests exactly the tokens greedy
+decoding gives; for sampled ones by rejection sampling, which keeps the output distribution). The engine then
+rolls back what the rejected tokens left behind (`LLMEngine._settle`). Summaries and extractions quote their
+sources, which is where this pays; a large batch already keeps the hardware busy, so above
+`disable_by_batch_size` running sequences nothing is proposed. Unset, that limit is `CPU_BATCH_LIMIT` on a
+CPU, where verifying drafts costs compute that a batch of several sequences already saturates
+(`benchmarks/speculative.py`), lower for quantized weights, whose kernels spend more arithmetic on each extra
+row, and 0 (never) for quantized weights on a CPU without AVX512-VNNI, where each extra row costs about what
+the first does; none on a GPU, where a step's extra tokens are nearly free. JSON null lifts it. Nor for
+structured-output requests: a draft token their grammar forbids would have to be masked position by position,
+and a copied n-gram rarely fits a grammar anyway.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from inference_engine.errors import InvalidRequestError
 from inference_engine.sequence import Sequence
@@ -31,6 +30,7 @@ from kernels.cpu.linear import cheap_quant_rows
 
 CPU_BATCH_LIMIT = 4
 CPU_QUANTIZED_BATCH_LIMIT = 2
+CPU_CONFIDENT_MATCH = 3
 
 
 @dataclass
@@ -73,22 +73,38 @@ def _default_batch_limit(device: str, quantized: bool) -> int | None:
     return CPU_BATCH_LIMIT
 
 
-def ngram_proposal(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
+def ngram_proposal(tokens: list[int], k: int, n_min: int, n_max: int, confident: int = 0) -> list[int]:
     """The up-to-k tokens that followed the latest earlier occurrence of the longest suffix of `tokens`
-    (n_max down to n_min tokens long) that occurs earlier; [] where none does."""
-    for n in range(min(n_max, len(tokens) - 1), n_min - 1, -1):
-        windows = sliding_window_view(tokens[:-1], n)  # every n-gram but the suffix itself
-        hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
-        if len(hits):
-            start = int(hits[-1]) + n
-            return tokens[start : start + k].tolist()
-    return []
+    (n_max down to n_min tokens long) that occurs earlier, only the first of them where that suffix is
+    shorter than `confident`; [] where none occurs.
+
+    Runs every step of every sequence, so it works on the list as it is: the earlier occurrences of the last
+    token are found at C speed (`list.index`), then extended backwards from the latest."""
+    end = len(tokens) - 1
+    last, ends = tokens[end], []
+    i = tokens.index(last)
+    while i < end:
+        ends.append(i)
+        i = tokens.index(last, i + 1)
+    best, best_n = -1, 0
+    for c in reversed(ends):
+        n = 1
+        while n < n_max and n <= c and tokens[c - n] == tokens[end - n]:
+            n += 1
+        if n > best_n:
+            best, best_n = c, n
+            if n == n_max:
+                break
+    if best_n < n_min:
+        return []
+    return tokens[best + 1 : best + 1 + (k if best_n >= confident else 1)]
 
 
 class NgramProposer:
-    def __init__(self, config: NgramConfig, max_model_len: int) -> None:
+    def __init__(self, config: NgramConfig, max_model_len: int, device: str = "cpu") -> None:
         self.config = config
         self.max_model_len = max_model_len
+        self.confident_match = CPU_CONFIDENT_MATCH if device == "cpu" else 0
         self.num_draft_tokens = 0  # proposed and verified, for stats
         self.num_accepted_tokens = 0
 
@@ -110,8 +126,10 @@ class NgramProposer:
         k = min(self.config.num_speculative_tokens, room - 1)
         if k < 1:
             return []
-        tokens = np.asarray(seq.token_ids)
-        return ngram_proposal(tokens, k, self.config.prompt_lookup_min, self.config.prompt_lookup_max)
+        config = self.config
+        return ngram_proposal(
+            seq.token_ids, k, config.prompt_lookup_min, config.prompt_lookup_max, self.confident_match
+        )
 
     def record(self, proposed: int, accepted: int) -> None:
         self.num_draft_tokens += proposed

@@ -3,7 +3,8 @@ draft tokens rolled back (even when every proposal is wrong), every KV block fre
 
 from __future__ import annotations
 
-import numpy as np
+import random
+
 import pytest
 
 from inference_engine import LLM, SamplingParams, speculative
@@ -33,11 +34,47 @@ def spec_llm() -> LLM:
 
 
 def test_proposals_follow_the_latest_earlier_occurrence_of_the_longest_suffix():
-    tokens = np.array([5, 6, 7, 1, 2, 9, 5, 6, 7, 3, 4, 5, 6, 7])
+    tokens = [5, 6, 7, 1, 2, 9, 5, 6, 7, 3, 4, 5, 6, 7]
     assert ngram_proposal(tokens, 2, 1, 3) == [3, 4]  # "5 6 7" last seen before "3 4"
     assert ngram_proposal(tokens, 9, 1, 3) == [3, 4, 5, 6, 7]  # as many as there are
-    assert ngram_proposal(np.array([1, 2, 3, 4]), 3, 1, 3) == []
-    assert ngram_proposal(np.array([8, 1, 8]), 3, 2, 3) == []  # only a 1-gram matches, below the minimum
+    assert ngram_proposal([1, 2, 3, 4], 3, 1, 3) == []
+    assert ngram_proposal([8, 1, 8], 3, 2, 3) == []  # only a 1-gram matches, below the minimum
+
+
+def by_windows(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+    """The definition, window by window: the longest suffix first, its latest earlier occurrence."""
+    for n in range(min(n_max, len(tokens) - 1), n_min - 1, -1):
+        starts = [i for i in range(len(tokens) - n) if tokens[i : i + n] == tokens[-n:]]
+        if starts:
+            return tokens[starts[-1] + n : starts[-1] + n + k]
+    return []
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_proposals_match_the_window_by_window_definition(seed):
+    rng = random.Random(seed)
+    for _ in range(300):
+        tokens = rng.choices(range(rng.randint(2, 6)), k=rng.randint(1, 60))  # few ids: many repeats
+        k, n_min = rng.randint(1, 6), rng.randint(1, 3)
+        n_max = rng.randint(n_min, 5)
+        assert ngram_proposal(tokens, k, n_min, n_max) == by_windows(tokens, k, n_min, n_max), tokens
+
+
+def test_a_short_match_proposes_one_token():
+    """Below `confident` matching tokens, only the token right after the match: a common pair predicts
+    the next token far more often than the ones after it."""
+    tokens = [5, 6, 7, 1, 2, 9, 5, 6, 7, 3, 4, 5, 6, 7]
+    assert ngram_proposal(tokens, 4, 1, 3, confident=3) == [3, 4, 5, 6]  # "5 6 7": three tokens
+    assert ngram_proposal(tokens, 4, 1, 2, confident=3) == [3]  # "6 7": two
+    assert ngram_proposal([4, 8, 1, 2, 8], 4, 1, 3, confident=3) == [1]  # "8": one
+    assert ngram_proposal([4, 8, 1, 2, 8], 4, 1, 3) == [1, 2, 8]  # no minimum: as many as follow
+
+
+def test_only_a_cpu_shortens_proposals():
+    """Verifying rows costs a CPU step a share of its time per row; on a GPU they are nearly free."""
+    config = NgramConfig.from_dict({"method": "ngram", "num_speculative_tokens": 4})
+    assert speculative.NgramProposer(config, 100).confident_match == speculative.CPU_CONFIDENT_MATCH
+    assert speculative.NgramProposer(config, 100, "cuda").confident_match == 0
 
 
 def test_greedy_outputs_equal_decoding_without_speculation(llm, spec_llm):
@@ -55,7 +92,7 @@ def test_greedy_outputs_equal_decoding_without_speculation(llm, spec_llm):
 def test_all_rejected_proposals_leave_no_trace(llm, spec_llm, monkeypatch):
     """Proposals of a token the model never picks here: every step rejects all of them, so each step's
     draft K/V must be overwritten later and the blocks taken for it given back."""
-    monkeypatch.setattr(speculative, "ngram_proposal", lambda tokens, k, lo, hi: [0] * k)
+    monkeypatch.setattr(speculative, "ngram_proposal", lambda tokens, k, *limits: [0] * k)
     plain = llm.generate(PROMPTS[:6], greedy(), use_tqdm=False)
     engine = spec_llm.llm_engine
     trims = []
