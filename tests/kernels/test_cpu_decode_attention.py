@@ -85,6 +85,23 @@ def test_result_does_not_depend_on_thread_count(paged_kv, rand, threads):
     assert torch.equal(one, many)
 
 
+def step_metadata(seq_lens, query_lens, block_tables, slots=None):
+    """One step's metadata as the model runner builds it: `query_lens[b]` new tokens ending each sequence."""
+    from inference_engine.attention import AttentionMetadata
+
+    starts = [0, *itertools.accumulate(query_lens)]
+    return AttentionMetadata(
+        slot_mapping=torch.zeros(starts[-1], dtype=torch.int64) if slots is None else torch.tensor(slots),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.as_tensor(seq_lens, dtype=torch.int32),
+        block_tables=block_tables,
+        query_lens=query_lens,
+        context_lens=[s - n for s, n in zip(seq_lens, query_lens, strict=True)],
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+    )
+
+
 # (query_lens, seq_lens, block_size, head_dim, num_heads, num_kv_heads, dtype): one step's tokens, each a
 # one-token query of its own, as `per_token` hands them over; a sequence's consecutive tokens (drafts, short
 # prefill chunks) starting and ending inside blocks and across their ends.
@@ -109,28 +126,16 @@ def test_tokens_of_one_sequence_get_the_bits_they_get_alone(
     """A sequence's tokens in one step (speculative drafts, short prefill chunks) each get exactly the bits
     they get as a step's only query, whatever shares the step and the threads: drafts verify as decoding
     decides."""
-    from inference_engine.attention import AttentionMetadata
-
     kv = paged_kv(seq_lens, block_size, kv_heads, head_dim, dtype)
-    starts = [0, *itertools.accumulate(query_lens)]
-    meta = AttentionMetadata(
-        slot_mapping=torch.zeros(starts[-1], dtype=torch.int64),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=kv.seq_lens,
-        block_tables=kv.block_tables,
-        query_lens=query_lens,
-        context_lens=[s - n for s, n in zip(seq_lens, query_lens, strict=True)],
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-    )
-    tables, lens = meta.per_token()
-    q = rand(starts[-1], heads + 2 * kv_heads, head_dim, dtype=dtype)[:, :heads]
+    tables, lens = step_metadata(seq_lens, query_lens, kv.block_tables).per_token()
+    tokens = sum(query_lens)
+    q = rand(tokens, heads + 2 * kv_heads, head_dim, dtype=dtype)[:, :heads]
     previous = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
         together = cpu_attention.paged_decode(q, kv.k_cache, kv.v_cache, tables, lens, 0.125)
         alone = []
-        for t in range(starts[-1]):
+        for t in range(tokens):
             one = slice(t, t + 1)
             caches = (kv.k_cache, kv.v_cache)
             alone.append(cpu_attention.paged_decode(q[one], *caches, tables[one], lens[one], 0.125))
@@ -181,7 +186,7 @@ def test_backend_matches_extend_reference(
     up to 32 tokens run as a query of the decode kernel, longer ones up to `limit` tokens through the extend
     kernel (bf16 only; `per-token`: without it, as queries of the decode kernel too), the rest (or, without
     native kernels, every chunk) through SDPA. The limit is pinned, as either CPU kind measures it."""
-    from inference_engine.attention import AttentionMetadata, torch_backend
+    from inference_engine.attention import torch_backend
     from kernels.reference import paged_extend_attention_ref
 
     monkeypatch.setattr(torch_backend, "native_query_max", lambda *args: limit)
@@ -202,16 +207,7 @@ def test_backend_matches_extend_reference(
             v_new.append(kv.v_cache[block, pos % block_size])
             slots.append(block * block_size + pos % block_size)
     q = rand(starts[-1], 9, 64, dtype=dtype)
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=kv.seq_lens,
-        block_tables=kv.block_tables,
-        query_lens=query_lens,
-        context_lens=[s - n for s, n in zip(seq_lens, query_lens, strict=True)],
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-    )
+    meta = step_metadata(seq_lens, query_lens, kv.block_tables, slots)
     ref = paged_extend_attention_ref(
         q, kv.k_cache, kv.v_cache, kv.block_tables, meta.query_start_loc, kv.seq_lens, 0.125, max(query_lens)
     )
@@ -227,20 +223,8 @@ def test_backend_matches_extend_reference(
 def test_every_query_token_attends_to_its_prefix(query_lens):
     """`per_token`: each query token as a decode of its own, its sequence's block table and its position + 1
     as its length (decode-only steps take a shortcut to the same answer)."""
-    from inference_engine.attention import AttentionMetadata
-
     seq_lens, tables = [5, 9, 2], torch.tensor([[3, 0], [1, 4], [2, 0]], dtype=torch.int32)
-    starts = [0, *itertools.accumulate(query_lens)]
-    meta = AttentionMetadata(
-        slot_mapping=torch.zeros(starts[-1], dtype=torch.int64),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=tables,
-        query_lens=query_lens,
-        context_lens=[s - n for s, n in zip(seq_lens, query_lens, strict=True)],
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-    )
+    meta = step_metadata(seq_lens, query_lens, tables)
     per_token_tables, lens = meta.per_token()
     owners = [b for b, n in enumerate(query_lens) for _ in range(n)]
     positions = [s - n + i for s, n in zip(seq_lens, query_lens, strict=True) for i in range(n)]
