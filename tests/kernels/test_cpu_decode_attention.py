@@ -130,14 +130,14 @@ def test_tokens_of_one_sequence_get_the_bits_they_get_alone(
     tables, lens = step_metadata(seq_lens, query_lens, kv.block_tables).per_token()
     tokens = sum(query_lens)
     q = rand(tokens, heads + 2 * kv_heads, head_dim, dtype=dtype)[:, :heads]
+    caches = (kv.k_cache, kv.v_cache)
     previous = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
-        together = cpu_attention.paged_decode(q, kv.k_cache, kv.v_cache, tables, lens, 0.125)
+        together = cpu_attention.paged_decode(q, *caches, tables, lens, 0.125)
         alone = []
         for t in range(tokens):
             one = slice(t, t + 1)
-            caches = (kv.k_cache, kv.v_cache)
             alone.append(cpu_attention.paged_decode(q[one], *caches, tables[one], lens[one], 0.125))
     finally:
         torch.set_num_threads(previous)
