@@ -1,6 +1,6 @@
 """N-gram speculative decoding on a summarisation workload: tokens/s with and without it, by batch size.
 
-    .venv/bin/python -m benchmarks.speculative [--batches 1 2 4 8] [--threads 2] [--repeats 2]
+    .venv/bin/python -m benchmarks.speculative [--batches 1 2 4 8] [--threads 2] [--repeats 2] [-k 4]
 
 Documents of 300-600 tokens, summaries of 96 tokens, greedy. The outputs of every run are compared with
 those of plain decoding: they must be identical where the steps verifying proposals have at most
@@ -10,7 +10,9 @@ counted. Three engines take turns on each batch size: without speculation, with 
 size (the acceptance rate and the ratio per batch size say where it stops paying), and with it as configured
 by default (on a CPU the engine stops proposing above `speculative.CPU_BATCH_LIMIT` running sequences, above
 `CPU_QUANTIZED_BATCH_LIMIT` for quantized weights, and proposes nothing for quantized weights on a CPU
-without AVX512-VNNI).
+without AVX512-VNNI). They take turns on every batch of documents, in an order that rotates, and each
+engine's rate is its tokens over its seconds summed over all batches and repeats: on a shared machine whose
+speed drifts by tens of percent within a minute, every engine then meets the same drift.
 JSON and a PNG plot under benchmarks/results/.
 """
 
@@ -28,8 +30,7 @@ from inference_engine import LLM, SamplingParams
 from kernels.cpu.linear import SAME_BITS_ROWS
 
 SUMMARY_TOKENS = 96
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-UNLIMITED = {**NGRAM, "disable_by_batch_size": None}
+NGRAM = {"method": "ngram", "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 _FACTS = [
     "The plant in Leeds produced {n} tonnes of steel in the third quarter, up from {m} a year earlier.",
     "Its new furnace, commissioned in {y}, cut energy use per tonne by {p} percent.",
@@ -56,15 +57,12 @@ def documents(count: int, tokenizer, seed: int = 0) -> list[str]:
     return docs
 
 
-def run(llm: LLM, prompts: list[str], batch: int) -> tuple[float, list[list[int]]]:
-    """Tokens/s of the prompts run `batch` at a time, and their outputs."""
+def timed(llm: LLM, prompts: list[str]) -> tuple[float, int, list[list[int]]]:
+    """Seconds, output tokens and outputs of the prompts generated together."""
     params = SamplingParams(temperature=0, max_tokens=SUMMARY_TOKENS, ignore_eos=True)
-    outputs, tokens, start = [], 0, time.perf_counter()
-    for i in range(0, len(prompts), batch):
-        for out in llm.generate(prompts[i : i + batch], params, use_tqdm=False):
-            outputs.append(out.outputs[0].token_ids)
-            tokens += len(out.outputs[0].token_ids)
-    return tokens / (time.perf_counter() - start), outputs
+    start = time.perf_counter()
+    outputs = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+    return time.perf_counter() - start, sum(map(len, outputs)), outputs
 
 
 def main() -> None:
@@ -73,46 +71,54 @@ def main() -> None:
     parser.add_argument("--documents", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--quantization", default=None, help="our engine's (default: as the model declares)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    k = args.num_speculative_tokens
+    ngram = {**NGRAM, "num_speculative_tokens": k}
     common = {"dtype": args.dtype, "quantization": args.quantization, "max_num_seqs": max(args.batches)}
     engines = {
         "plain": LLM(**common),
-        "ngram": LLM(**common, speculative_config=UNLIMITED),
-        "ngram_default": LLM(**common, speculative_config=NGRAM),
+        "ngram": LLM(**common, speculative_config={**ngram, "disable_by_batch_size": None}),
+        "ngram_default": LLM(**common, speculative_config=ngram),
     }
     prompts = documents(max(args.documents, max(args.batches)), engines["plain"].get_tokenizer())
     for llm in engines.values():
         llm.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)
-    result = {"threads": args.threads, "dtype": args.dtype, "speculative_config": NGRAM, "batches": {}}
+    result = {"threads": args.threads, "dtype": args.dtype, "speculative_config": ngram, "batches": {}}
     for batch in args.batches:
         proposer = engines["ngram"].llm_engine.proposer
         drafted, accepted = proposer.num_draft_tokens, proposer.num_accepted_tokens
-        best = dict.fromkeys(engines, 0.0)
+        seconds, tokens = dict.fromkeys(engines, 0.0), dict.fromkeys(engines, 0)
         differing = dict.fromkeys(engines, 0)
-        for _ in range(args.repeats):
-            outputs = {}
-            for name, llm in engines.items():
-                rate, got = run(llm, prompts, batch)
-                best[name] = max(best[name], rate)
-                outputs[name] = got
+        for repeat in range(args.repeats):
+            outputs = {name: [] for name in engines}
+            for turn, start in enumerate(range(0, len(prompts), batch)):
+                names = list(engines)
+                shift = (turn + repeat) % len(names)
+                for name in names[shift:] + names[:shift]:
+                    took, count, got = timed(engines[name], prompts[start : start + batch])
+                    seconds[name] += took
+                    tokens[name] += count
+                    outputs[name] += got
             for name, got in outputs.items():
                 differing[name] = max(
                     differing[name], sum(a != b for a, b in zip(got, outputs["plain"], strict=True))
                 )
-            if batch * (NGRAM["num_speculative_tokens"] + 1) <= SAME_BITS_ROWS:
+            if batch * (k + 1) <= SAME_BITS_ROWS:
                 assert not any(differing.values()), "speculation changed greedy outputs"
+        rate = {name: tokens[name] / seconds[name] for name in engines}
         drafted, accepted = proposer.num_draft_tokens - drafted, proposer.num_accepted_tokens - accepted
         result["batches"][batch] = {
-            "plain_tokens_per_s": best["plain"],
-            "ngram_tokens_per_s": best["ngram"],
-            "speedup": best["ngram"] / best["plain"],
+            "plain_tokens_per_s": rate["plain"],
+            "ngram_tokens_per_s": rate["ngram"],
+            "speedup": rate["ngram"] / rate["plain"],
             "acceptance_rate": accepted / max(drafted, 1),
-            "default_tokens_per_s": best["ngram_default"],
-            "default_speedup": best["ngram_default"] / best["plain"],
+            "default_tokens_per_s": rate["ngram_default"],
+            "default_speedup": rate["ngram_default"] / rate["plain"],
             "summaries_differing": {"ngram": differing["ngram"], "ngram_default": differing["ngram_default"]},
         }
         print(batch, json.dumps(result["batches"][batch]), flush=True)
@@ -122,6 +128,7 @@ def main() -> None:
 
 
 def plot(result: dict, path: Path) -> None:
+    k = result["speculative_config"]["num_speculative_tokens"]
     import matplotlib
 
     matplotlib.use("Agg")
@@ -131,8 +138,8 @@ def plot(result: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     lines = (
         ("plain_tokens_per_s", "without speculation"),
-        ("ngram_tokens_per_s", "n-gram, k=4, every batch size"),
-        ("default_tokens_per_s", "n-gram, k=4, default batch limit"),
+        ("ngram_tokens_per_s", f"n-gram, k={k}, every batch size"),
+        ("default_tokens_per_s", f"n-gram, k={k}, default batch limit"),
     )
     for key, label in lines:
         ax.plot(batches, [result["batches"][b][key] for b in batches], "o-", label=label)
