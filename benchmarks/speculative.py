@@ -9,10 +9,11 @@ may round otherwise in its last bit (AMX, oneDNN), a near-tie may flip, and the 
 counted. Three engines take turns on each batch size: without speculation, with it at every batch
 size (the acceptance rate and the ratio per batch size say where it stops paying), and with it as configured
 by default (on a CPU the engine stops proposing above `speculative.CPU_BATCH_LIMIT` running sequences, above
-`CPU_QUANTIZED_BATCH_LIMIT` for quantized weights, and proposes nothing for quantized weights on a CPU
-without AVX512-VNNI). They take turns on every batch of documents, in an order that rotates, and each
-engine's rate is its tokens over its seconds summed over all batches and repeats: on a shared machine whose
-speed drifts by tens of percent within a minute, every engine then meets the same drift.
+`CPU_QUANTIZED_BATCH_LIMIT` for quantized weights, above fewer where a step of k + 1 rows a sequence would
+pass `SAME_BITS_ROWS`, and proposes nothing for quantized weights on a CPU without AVX512-VNNI). They take
+turns on every batch of documents, in an order that rotates, and each engine's rate is its tokens over its
+seconds summed over all batches and repeats: on a shared machine whose speed drifts by tens of percent
+within a minute, every engine then meets the same drift.
 JSON and a PNG plot under benchmarks/results/.
 """
 

@@ -14,8 +14,9 @@ sources, which is where this pays; a large batch already keeps the hardware busy
 `disable_by_batch_size` running sequences nothing is proposed. Unset, that limit is `CPU_BATCH_LIMIT` on a
 CPU, where verifying drafts costs compute that a batch of several sequences already saturates
 (`benchmarks/speculative.py`), lower for quantized weights, whose kernels spend more arithmetic on each extra
-row, and 0 (never) for quantized weights on a CPU without AVX512-VNNI, where each extra row costs about what
-the first does; none on a GPU, where a step's extra tokens are nearly free. JSON null lifts it. Nor for
+row, lower again where k is large enough that a step would verify more than `SAME_BITS_ROWS` rows, and 0
+(never) for quantized weights on a CPU without AVX512-VNNI, where each extra row costs about what the first
+does; none on a GPU, where a step's extra tokens are nearly free. JSON null lifts it. Nor for
 structured-output requests: a draft token their grammar forbids would have to be masked position by position,
 and a copied n-gram rarely fits a grammar anyway.
 """
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 
 from inference_engine.errors import InvalidRequestError
 from inference_engine.sequence import Sequence
-from kernels.cpu.linear import cheap_quant_rows
+from kernels.cpu.linear import SAME_BITS_ROWS, cheap_quant_rows
 
 CPU_BATCH_LIMIT = 4
 CPU_QUANTIZED_BATCH_LIMIT = 2
@@ -59,18 +60,22 @@ class NgramConfig:
             raise InvalidRequestError("need 1 <= prompt_lookup_min <= prompt_lookup_max.")
         limit = result.disable_by_batch_size
         if "disable_by_batch_size" not in config:  # the default may be 0, which a user may not set
-            result.disable_by_batch_size = _default_batch_limit(device, quantized)
+            k = result.num_speculative_tokens
+            result.disable_by_batch_size = _default_batch_limit(device, quantized, k)
         elif limit is not None and (not isinstance(limit, int) or limit < 1):
             raise InvalidRequestError("disable_by_batch_size must be a positive integer or null.")
         return result
 
 
-def _default_batch_limit(device: str, quantized: bool) -> int | None:
+def _default_batch_limit(device: str, quantized: bool, k: int) -> int | None:
+    """On a CPU, also no more sequences than keep a verification step within `SAME_BITS_ROWS` rows, where
+    every row gets the bits it gets alone and greedy outputs stay exactly those of plain decoding."""
     if device != "cpu":
         return None
-    if quantized:
-        return CPU_QUANTIZED_BATCH_LIMIT if cheap_quant_rows() else 0
-    return CPU_BATCH_LIMIT
+    if quantized and not cheap_quant_rows():
+        return 0
+    limit = CPU_QUANTIZED_BATCH_LIMIT if quantized else CPU_BATCH_LIMIT
+    return max(1, min(limit, SAME_BITS_ROWS // (k + 1)))
 
 
 def ngram_proposal(tokens: list[int], k: int, n_min: int, n_max: int, confident: int = 0) -> list[int]:

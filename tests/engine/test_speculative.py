@@ -10,7 +10,7 @@ import pytest
 from inference_engine import LLM, SamplingParams, speculative
 from inference_engine.errors import InvalidRequestError
 from inference_engine.speculative import NgramConfig, ngram_proposal
-from kernels.cpu.linear import cheap_quant_rows
+from kernels.cpu.linear import SAME_BITS_ROWS, cheap_quant_rows
 
 from .conftest import PROMPTS, assert_all_blocks_free, greedy
 
@@ -160,6 +160,20 @@ def test_the_batch_limit_defaults_by_device():
     lifted = NgramConfig.from_dict({**config, "disable_by_batch_size": None})
     assert lifted.disable_by_batch_size is None
     assert NgramConfig.from_dict({**config, "disable_by_batch_size": 8}, "cuda").disable_by_batch_size == 8
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_the_default_limit_keeps_a_step_within_the_rows_that_keep_their_bits(quantized):
+    """With many drafts a sequence, fewer sequences: a verification step of at most `SAME_BITS_ROWS` rows
+    gives greedy outputs exactly those of plain decoding, and one sequence may always propose."""
+    configs = ({"num_speculative_tokens": k} for k in range(1, 17))
+    limits = [NgramConfig.from_dict(c, quantized=quantized).disable_by_batch_size for c in configs]
+    for k, limit in enumerate(limits, start=1):
+        assert limit * (k + 1) <= SAME_BITS_ROWS
+    assert limits == sorted(limits, reverse=True)
+    if not quantized or cheap_quant_rows():
+        assert limits[0] == (quantized_cpu_limit() if quantized else speculative.CPU_BATCH_LIMIT)
+        assert limits[-1] == 1
 
 
 @pytest.mark.parametrize("quantization", [None, "none"], ids=["q4_1", "dequantized"])
