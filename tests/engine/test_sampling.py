@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from inference_engine import SamplingParams
+from inference_engine import LLM, SamplingParams
 
-from .conftest import PROMPTS, greedy
+from .conftest import PROMPTS, assert_all_blocks_free, greedy
 
 PROMPT = "Write a short poem about the sea:"
 CHAT = PROMPTS[12]  # a chat turn that the model answers briefly and ends with its EOS token
@@ -23,6 +23,18 @@ def test_temperature_sampling_varies_and_greedy_does_not(clean_llm):
     greedy_texts = {text_of(clean_llm, PROMPT, greedy(12)).text for _ in range(2)}
     assert len(sampled) > 1
     assert len(greedy_texts) == 1
+
+
+def test_a_long_greedy_request_run_again_gives_the_same_tokens():
+    """As the README promises of repeats: without the prefix cache, a prompt long enough to prefill in a step
+    of many rows (other kernels than a decode step's) gives the bundled model's default engine the same greedy
+    tokens every time, whatever order its threads finish in."""
+    llm = LLM(enable_prefix_caching=False, max_model_len=1024)
+    prompt = "The quarterly report of the steel plant in Leeds, in figures. " * 24 + "Summary:"
+    runs = [text_of(llm, prompt, greedy(24)).token_ids for _ in range(3)]
+    assert len(llm.get_tokenizer().encode(prompt)) > 200
+    assert runs[0] == runs[1] == runs[2]
+    assert_all_blocks_free(llm)
 
 
 @pytest.mark.parametrize(
