@@ -29,6 +29,7 @@ from inference_engine.sequence import Sequence
 from inference_engine.step_inputs import PreparedStep, StepInputs
 from inference_engine.tp_workers import TPWorkers
 from kernels.cpu import linear as cpu_linear
+from kernels.cpu.huge_pages import zeros_on_huge_pages
 
 logger = logging.getLogger(__name__)
 
@@ -186,16 +187,18 @@ class ModelRunner:
         # CUDA graphs pad a decode batch to a captured size; padding rows write to one reserved block.
         self.use_graphs = self.device.type == "cuda" and not config.enforce_eager
         mc = self.model_config
-        self.kv_cache = torch.zeros(
+        kv_shape = (
             2,
             mc.num_hidden_layers,
             self.num_blocks + self.use_graphs,
             self.block_size,
             self.model.model.layers[0].self_attn.num_kv_heads,
             mc.head_dim,
-            dtype=self.dtype,
-            device=self.device,
         )
+        if self.device.type == "cpu":  # attention reads its blocks from anywhere in it: see huge_pages
+            self.kv_cache = zeros_on_huge_pages(kv_shape, self.dtype)
+        else:
+            self.kv_cache = torch.zeros(kv_shape, dtype=self.dtype, device=self.device)
         self._bind_cache(self.kv_cache)
         if self.attention_backend == "torch" and self.device.type == "cpu":
             # Which attention path prompt chunks take is timed now, not in the first long prompt's step.

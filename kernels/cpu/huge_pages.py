@@ -1,14 +1,17 @@
-"""Packed weights in memory that Linux backs with 2 MiB pages (transparent huge pages).
+"""Packed weights and the KV cache in memory that Linux backs with 2 MiB pages (transparent huge pages).
 
 A decode step streams every weight once. With 4 KiB pages that stream crosses a page, and needs a TLB entry,
 every 4 KiB; with 2 MiB pages it needs one every 2 MiB. Where transparent huge pages are in ``madvise`` mode
 (a common default) memory gets them only when asked, so the packed weights are copied into mappings that
 ask. Weights are placed one after another in shared chunks, so that a small weight does not round up to a
-whole 2 MiB page of its own.
+whole 2 MiB page of its own. Attention reads a sequence's KV blocks from anywhere in the cache, a few KiB
+each: on 4 KiB pages nearly every block is a TLB miss, whose page walk the step's stream of weights has
+pushed out to memory, so the cache gets a mapping of its own too (`zeros_on_huge_pages`).
 """
 
 from __future__ import annotations
 
+import math
 import mmap
 import threading
 
@@ -41,6 +44,17 @@ def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
         _used = start + size
         placed = _chunk[start : start + size]
     return placed.view(t.dtype).view(t.shape).copy_(t)
+
+
+def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of zeros in a mapping of its own that asks for huge pages, written once, so that its memory
+    is the process's from the start (as torch.zeros's is), not taken page by page while serving. torch.zeros
+    where the system cannot give such a mapping."""
+    size = math.prod(shape) * dtype.itemsize
+    memory = _mapping(size) if hasattr(mmap, "MADV_HUGEPAGE") and size else None
+    if memory is None:
+        return torch.zeros(shape, dtype=dtype)
+    return memory.view(dtype).view(shape).zero_()
 
 
 def _mapping(size: int) -> torch.Tensor | None:
