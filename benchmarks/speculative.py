@@ -14,6 +14,9 @@ pass `SAME_BITS_ROWS`, and proposes nothing for quantized weights on a CPU witho
 turns on every batch of documents, in an order that rotates, and each engine's rate is its tokens over its
 seconds summed over all batches and repeats: on a shared machine whose speed drifts by tens of percent
 within a minute, every engine then meets the same drift.
+Rates count the whole job, prompts' prefill included (the same work with and without speculation), and,
+as `decode_*`, only the decoding, from the batch's last first token on. Prefix caching is off, so that every
+repeat prefills every document as a bulk job of new documents would.
 JSON and a PNG plot under benchmarks/results/.
 """
 
@@ -23,6 +26,7 @@ import argparse
 import json
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -58,12 +62,23 @@ def documents(count: int, tokenizer, seed: int = 0) -> list[str]:
     return docs
 
 
-def timed(llm: LLM, prompts: list[str]) -> tuple[float, int, list[list[int]]]:
-    """Seconds, output tokens and outputs of the prompts generated together."""
+@dataclass
+class Turn:
+    seconds: float  # the whole call: prefill and decoding
+    decode_seconds: float  # from the last sequence's first token to the end
+    tokens: int
+    outputs: list[list[int]]
+
+
+def timed(llm: LLM, prompts: list[str]) -> Turn:
+    """The prompts generated together."""
     params = SamplingParams(temperature=0, max_tokens=SUMMARY_TOKENS, ignore_eos=True)
-    start = time.perf_counter()
-    outputs = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
-    return time.perf_counter() - start, sum(map(len, outputs)), outputs
+    start = time.time()
+    results = llm.generate(prompts, params, use_tqdm=False)
+    end = time.time()
+    outputs = [out.outputs[0].token_ids for out in results]
+    prefilled = max(out.metrics.first_token_time for out in results)
+    return Turn(end - start, end - prefilled, sum(map(len, outputs)), outputs)
 
 
 def main() -> None:
@@ -80,7 +95,13 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     k = args.num_speculative_tokens
     ngram = {**NGRAM, "num_speculative_tokens": k}
-    common = {"dtype": args.dtype, "quantization": args.quantization, "max_num_seqs": max(args.batches)}
+    # Every document is new to the engines, as in a bulk job: no repeat finds its prompt in the prefix cache.
+    common = {
+        "dtype": args.dtype,
+        "quantization": args.quantization,
+        "max_num_seqs": max(args.batches),
+        "enable_prefix_caching": False,
+    }
     engines = {
         "plain": LLM(**common),
         "ngram": LLM(**common, speculative_config={**ngram, "disable_by_batch_size": None}),
@@ -93,18 +114,22 @@ def main() -> None:
     for batch in args.batches:
         proposer = engines["ngram"].llm_engine.proposer
         drafted, accepted = proposer.num_draft_tokens, proposer.num_accepted_tokens
-        seconds, tokens = dict.fromkeys(engines, 0.0), dict.fromkeys(engines, 0)
+        seconds, decode_seconds = dict.fromkeys(engines, 0.0), dict.fromkeys(engines, 0.0)
+        tokens, decode_tokens = dict.fromkeys(engines, 0), dict.fromkeys(engines, 0)
         differing = dict.fromkeys(engines, 0)
         for repeat in range(args.repeats):
             outputs = {name: [] for name in engines}
             for turn, start in enumerate(range(0, len(prompts), batch)):
                 names = list(engines)
                 shift = (turn + repeat) % len(names)
+                chunk = prompts[start : start + batch]
                 for name in names[shift:] + names[:shift]:
-                    took, count, got = timed(engines[name], prompts[start : start + batch])
-                    seconds[name] += took
-                    tokens[name] += count
-                    outputs[name] += got
+                    took = timed(engines[name], chunk)
+                    seconds[name] += took.seconds
+                    decode_seconds[name] += took.decode_seconds
+                    tokens[name] += took.tokens
+                    decode_tokens[name] += took.tokens - len(chunk)  # each first token comes from its prefill
+                    outputs[name] += took.outputs
             for name, got in outputs.items():
                 differing[name] = max(
                     differing[name], sum(a != b for a, b in zip(got, outputs["plain"], strict=True))
@@ -112,6 +137,7 @@ def main() -> None:
             if batch * (k + 1) <= SAME_BITS_ROWS:
                 assert not any(differing.values()), "speculation changed greedy outputs"
         rate = {name: tokens[name] / seconds[name] for name in engines}
+        decode_rate = {name: decode_tokens[name] / decode_seconds[name] for name in engines}
         drafted, accepted = proposer.num_draft_tokens - drafted, proposer.num_accepted_tokens - accepted
         result["batches"][batch] = {
             "plain_tokens_per_s": rate["plain"],
@@ -120,6 +146,9 @@ def main() -> None:
             "acceptance_rate": accepted / max(drafted, 1),
             "default_tokens_per_s": rate["ngram_default"],
             "default_speedup": rate["ngram_default"] / rate["plain"],
+            "decode_tokens_per_s": decode_rate,
+            "decode_speedup": decode_rate["ngram"] / decode_rate["plain"],
+            "default_decode_speedup": decode_rate["ngram_default"] / decode_rate["plain"],
             "summaries_differing": {"ngram": differing["ngram"], "ngram_default": differing["ngram_default"]},
         }
         print(batch, json.dumps(result["batches"][batch]), flush=True)
