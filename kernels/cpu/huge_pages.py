@@ -5,8 +5,8 @@ every 4 KiB; with 2 MiB pages it needs one every 2 MiB. Where transparent huge p
 (a common default) memory gets them only when asked, so the packed weights are copied into mappings that
 ask. Weights are placed one after another in shared chunks, so that a small weight does not round up to a
 whole 2 MiB page of its own. Attention reads a sequence's KV blocks from anywhere in the cache, a few KiB
-each: on 4 KiB pages nearly every block is a TLB miss, whose page walk the step's stream of weights has
-pushed out to memory, so the cache gets a mapping of its own too (`zeros_on_huge_pages`).
+each: on 4 KiB pages most blocks miss the TLB, and the stream of weights has pushed the page tables their
+walks read out to memory, so the cache gets a mapping of its own too (`zeros_on_huge_pages`).
 """
 
 from __future__ import annotations
