@@ -30,7 +30,7 @@ def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
     """A contiguous copy of `t` in huge-page-backed memory; `t` itself where the system cannot give any."""
     global _chunk, _used
     size = t.numel() * t.element_size()
-    if not hasattr(mmap, "MADV_HUGEPAGE") or size == 0:
+    if size == 0:
         return t.contiguous()
     with _lock:
         start = -(-_used // _ALIGN) * _ALIGN
@@ -51,7 +51,7 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     is the process's from the start (as torch.zeros's is), not taken page by page while serving. torch.zeros
     where the system cannot give such a mapping."""
     size = math.prod(shape) * dtype.itemsize
-    memory = _mapping(size) if hasattr(mmap, "MADV_HUGEPAGE") and size else None
+    memory = _mapping(size)
     if memory is None:
         return torch.zeros(shape, dtype=dtype)
     return memory.view(dtype).view(shape).zero_()
@@ -59,7 +59,10 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
 
 def _mapping(size: int) -> torch.Tensor | None:
     """`size` bytes of a private anonymous mapping that asks for huge pages, from a 2 MiB boundary (the
-    tensor keeps the mapping alive); None where the mapping or the advice is refused."""
+    tensor keeps the mapping alive); None where the mapping or the advice is refused, or where this Python
+    cannot give the advice."""
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return None
     try:
         memory = mmap.mmap(-1, size + _PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         memory.madvise(mmap.MADV_HUGEPAGE)
