@@ -12,9 +12,9 @@
    gate_up, down, then the LM head, each layer its own weights): bf16 through our kernel and through
    oneDNN, and Q4_1 layers with the Q8_0 tied head through our kernel, against the time to read those
    weights once at the measured read bandwidth.
-4. With --engine, the bundled model through `inference_engine.LLM`: the batch-1 decode step in bf16, then
-   with the GGUF file's Q4_1 and Q8_0 tensors kept quantized (loaded by `gguf_quantized_weights` below),
-   and how many of 16 greedy completions of 32 tokens the two agree on.
+4. With --engine, the bundled model through `inference_engine.LLM`: the batch-1 decode step with the GGUF
+   file dequantized to bf16 (`quantization="none"`), then with its Q4_1 and Q8_0 tensors kept quantized (the
+   engine's default for the file), and how many of 16 greedy completions of 32 tokens the two agree on.
 
 Writes a JSON file and a PNG plot beside it (default benchmarks/results/cpu_linear.json).
 """
@@ -26,11 +26,9 @@ import json
 import math
 import platform
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import replace
+from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from kernels.cpu import linear as cpu_linear
@@ -228,60 +226,21 @@ def decode_sequence(rounds: int, read_gb_s: float) -> dict:
 # ------------------------------------------------------------------------------------------- engine
 
 
-def gguf_quantized_weights(path: Path) -> Iterator[tuple[str, torch.Tensor | Int4Weight | Int8Weight]]:
-    """The GGUF file's tensors with Q4_1 kept as `Int4Weight` and Q8_0 as `Int8Weight` (the rest as the
-    engine's loader gives them), under the engine's names."""
-    import gguf
-
-    from inference_engine.model_loader import gguf_loader
-
-    reader = gguf.GGUFReader(str(path))
-    heads = {"q_proj": "attention.head_count", "k_proj": "attention.head_count_kv"}
-    for tensor in reader.tensors:
-        name = gguf_loader._hf_name(tensor.name)
-        if name is None:
-            continue
-        raw = torch.from_numpy(np.array(tensor.data))
-        if tensor.tensor_type == gguf.GGMLQuantizationType.Q4_1:  # per 32: fp16 d, fp16 m, 16 bytes
-            blocks = raw.view(raw.shape[0], -1, 20)
-            d, m = (blocks[..., i : i + 2].contiguous().view(torch.float16)[..., 0].float() for i in (0, 2))
-            nibbles = blocks[..., 4:]
-            q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1).flatten(1)
-            weight = Int4Weight(q, d, m, 32)
-        elif tensor.tensor_type == gguf.GGMLQuantizationType.Q8_0:  # per 32: fp16 d, 32 int8
-            blocks = raw.view(raw.shape[0], -1, 34)
-            d = blocks[..., :2].contiguous().view(torch.float16)[..., 0].float()
-            weight = Int8Weight(blocks[..., 2:].contiguous().view(torch.int8).flatten(1), d, 32)
-        else:  # the norms' fp32 vectors
-            yield name, torch.from_numpy(np.array(tensor.data, dtype=np.float32))
-            continue
-        for proj, key in heads.items():
-            if name.endswith(f"{proj}.weight"):  # llama.cpp's row order for Q and K, undone
-                n_head = reader.fields[f"llama.{key}"].contents()
-                order = torch.from_numpy(gguf_loader._unpermute(np.arange(weight.shape[0]), n_head))
-                rows = {"q": weight.q[order], "scale": weight.scale[order]}
-                if isinstance(weight, Int4Weight):
-                    rows["offset"] = weight.offset[order]
-                weight = replace(weight, **rows)
-        yield name, weight
-
-
 def engine_decode() -> dict:
     from benchmarks.offline_throughput import decode_step_vs_floor
     from inference_engine import LLM, SamplingParams
-    from inference_engine.model_loader import default_model_path
 
     prompts = [f"Write one sentence about the number {i}." for i in range(16)]
     greedy = SamplingParams(temperature=0, max_tokens=32)
-    llm = LLM(dtype="bfloat16")
-    result = {"bf16": decode_step_vs_floor(llm)}
-    bf16_outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-    model = llm.engine.runner.model
-    model.load_weights(gguf_quantized_weights(default_model_path()))
-    model.finalize()
-    result["q4_1"] = decode_step_vs_floor(llm)
-    q4_outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-    result["greedy_identical_of_16"] = sum(a == b for a, b in zip(bf16_outputs, q4_outputs, strict=True))
+    result, outputs = {}, {}
+    # The bundled file dequantized to dense bf16, then kept quantized (its Q4_1 layers and Q8_0 head).
+    for name, quantization in (("bf16", "none"), ("q4_1", None)):
+        llm = LLM(dtype="bfloat16", quantization=quantization)
+        result[name] = decode_step_vs_floor(llm)
+        outputs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        del llm
+    pairs = zip(outputs["bf16"], outputs["q4_1"], strict=True)
+    result["greedy_identical_of_16"] = sum(a == b for a, b in pairs)
     for name in ("bf16", "q4_1"):
         r = result[name]
         print(
