@@ -110,11 +110,10 @@ def native_query_max(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtyp
     """The longest prompt chunk that the native kernels run faster than SDPA on this CPU, timed once: the
     extend kernel where it runs, else each token as a query of the decode kernel.
 
-    The answer differs by an order of magnitude between CPUs. Measured with 9 heads / 3 KV heads in bf16
-    on 2 threads: on a CPU with AMX, whose tiles run SDPA's blocks, per-token decode kernel vs flash SDPA
-    64 tokens 0.145 vs 0.092 ms and 300 tokens 1.97 vs 0.92; on an AVX512-BF16 EPYC without AMX, extend
-    kernel vs SDPA 450 tokens 1.0 vs 3.8 ms and 1,000 tokens 4.7 vs 12.5. A wrong pick costs time, never
-    accuracy.
+    The answer differs by an order of magnitude between CPUs: SDPA's blocked kernel is fast where it runs on
+    AMX tiles or on many cores, and so is the extend kernel where it has AMX too (`csrc/paged_extend.c`);
+    without AMX the extend kernel's vector routine wins on some CPUs at every length and loses on others.
+    A wrong pick costs time, never accuracy.
     """
     gen = torch.Generator().manual_seed(0)
     block_size, scale = 16, head_dim**-0.5

@@ -152,3 +152,10 @@ def paged_extend(
     if status == -2:
         raise MemoryError("no memory for the extend attention's key tiles")
     return status == 0
+
+
+def extend_through_amx(on: bool) -> bool:
+    """Lets the extend kernel multiply through AMX tiles where the CPU has them (on, the default) or makes it
+    take its vdpbf16ps routine (off: tests run both on AMX CPUs). Returns whether it now runs on AMX."""
+    fn = function("paged_extend_set_amx", i32, i32)
+    return fn is not None and bool(fn(int(on)))

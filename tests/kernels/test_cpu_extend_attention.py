@@ -28,6 +28,16 @@ def _needs_vector_code():
         pytest.skip("the extend kernel needs AVX512-BF16 or AVX2; this CPU takes the decode kernel per token")
 
 
+@pytest.fixture(autouse=True, params=["amx", "vector"])
+def routine(request):
+    """Every test runs the AMX routine (where the CPU has it) and the vector one."""
+    amx = request.param == "amx"
+    if cpu_attention.extend_through_amx(amx) != amx:
+        pytest.skip("no AMX here")
+    yield request.param
+    cpu_attention.extend_through_amx(True)
+
+
 def _extend(paged_kv, rand, seq_lens, query_lens, block_size, heads, kv_heads, head_dim, bounds=None):
     """The kernel's output (NaN where it wrote nothing) and the reference, queries as a view into a wider
     per-token row (the fused qkv output)."""

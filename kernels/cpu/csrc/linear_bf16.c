@@ -149,8 +149,7 @@ static void tile_rows_avx512(const uint16_t *x, long ldx, const float *xf, long 
 
 #if defined(HAVE_AVX512_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define HAVE_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 
 /* With AMX, a tile multiply takes 16 rows of x by 32 columns against 32 columns of 16 outputs at once, and
  * its fp32 sums stay in a tile register for the whole of K: enough rows share every weight for the stream
@@ -163,19 +162,6 @@ static void tile_rows_avx512(const uint16_t *x, long ldx, const float *xf, long 
  *               tile a pair's 32 outputs lie side by side, 128 bytes: the layout AMX takes, 64 bytes apart);
  *   tmm4-tmm7: the sums, rows 0-15 x outputs 0-15, 0-15 x 16-31, 16-31 x 0-15, 16-31 x 16-31. */
 #define AMX_ROWS 32
-
-struct tile_config {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t bytes_per_row[16];
-    uint8_t rows[16];
-};
-
-/* Linux gives a process AMX's tile state only once asked (else its first tile instruction faults). */
-static int amx_permitted(void) {
-    static int permitted = -1; /* threads racing here ask twice, harmlessly */
-    if (permitted < 0) permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-    return permitted;
-}
 
 static void configure_tiles(int rows) {
     struct tile_config config = {.palette = 1};

@@ -9,6 +9,9 @@
  * online softmax, and P @ V by vdpbf16ps over pairs of keys (probabilities rounded to bf16, as the decode
  * kernel and flash attention on GPUs do). Sums are fp32.
  *
+ * Where the CPU has AMX, a strip of 16 query rows multiplies both products through tile registers instead, in
+ * three passes over its keys (attend_strip_amx): the same tiles are the layout AMX takes.
+ *
  * With AVX2 (no AVX512-BF16) the same tiles hold fp32, 8 keys each: scores of 8 keys per vector by FMAs over the
  * head's dimensions, the probabilities kept in fp32 for P @ V.
  *
@@ -164,6 +167,140 @@ static inline __attribute__((always_inline)) void attend_task(const int D, const
         attend_rows(D, R, T, rows, pos, keys, values, scale, outs);
     }
 }
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define HAVE_EXTEND_AMX 1
+#include "amx.h"
+
+/* With AMX a tile multiply takes 16 query rows by 32 dimensions against 16 keys at once (the key tiles above
+ * are already the layout it takes, as are the value tiles for P @ V), so a strip of 16 rows runs as three
+ * passes over its keys: S = Q K^T through tiles, the softmax row by row in vectors (exact maxima, no
+ * rescaling), and O = P V through tiles, its sums in tile registers for all the keys. Tiles, all 16 rows by
+ * 64 bytes: tmm0, tmm1: keys, or a block of P; tmm2, tmm3: scores of two key tiles; tmm4-7: the queries'
+ * dimension blocks (16 rows by 32 dimensions), or four blocks of 16 dimensions of O; tmm1-3 also values. */
+#define STRIP 16
+#define DIMS_A_PASS 64 /* dimensions of O a pass over P: four tiles */
+
+static int extend_amx = 1; /* tests turn it off to exercise the vdpbf16ps routine on AMX CPUs */
+
+static void configure_strip_tiles(void) {
+    struct tile_config config = {.palette = 1};
+    for (int t = 0; t < 8; t++) config.rows[t] = STRIP, config.bytes_per_row[t] = 64;
+    _tile_loadconfig(&config);
+}
+
+/* Scores of key tile j (16 keys) for the strip's queries, in tiles 4.. (D / 32 of them), into scores. */
+#define SCORE_TILE(S, B, D, j)                                                                               \
+    do {                                                                                                     \
+        const uint16_t *kt = keys + (long)(j) * (D) * KEYS;                                                  \
+        _tile_zero(S);                                                                                       \
+        _tile_loadd(B, kt, 64);                                                                              \
+        _tile_dpbf16ps(S, 4, B);                                                                             \
+        _tile_loadd(B, kt + 16 * KEYS * 2, 64);                                                              \
+        _tile_dpbf16ps(S, 5, B);                                                                             \
+        if ((D) == 128) {                                                                                    \
+            _tile_loadd(B, kt + 32 * KEYS * 2, 64);                                                          \
+            _tile_dpbf16ps(S, 6, B);                                                                         \
+            _tile_loadd(B, kt + 48 * KEYS * 2, 64);                                                          \
+            _tile_dpbf16ps(S, 7, B);                                                                         \
+        }                                                                                                    \
+        _tile_stored(S, scores + (long)(j) * KEYS, 4 * width);                                               \
+    } while (0)
+
+/* One strip of up to 16 query rows (row r: its query qrows[r], at position pos[r], out to outs[r]) over the
+ * keys up to its latest position. Scratch: qbuf [16][D] bf16, scores [16][width] fp32 and probs [16][width]
+ * bf16 for width = keys rounded up to 32, obuf [16][64] fp32. */
+static void attend_strip_amx(const int D, int rows, const uint16_t *const *qrows, const int *pos,
+                             const uint16_t *keys, const uint16_t *values, float scale, uint16_t *const *outs,
+                             uint16_t *qbuf, float *scores, uint16_t *probs, float *obuf) {
+    int last = 0;
+    for (int r = 0; r < rows; r++) last = pos[r] > last ? pos[r] : last;
+    const int width = (last / 32 + 1) * 32, key_tiles = width / KEYS;
+    for (int r = 0; r < STRIP; r++) {
+        if (r < rows)
+            memcpy(qbuf + r * D, qrows[r], sizeof(uint16_t) * D);
+        else
+            memset(qbuf + r * D, 0, sizeof(uint16_t) * D);
+    }
+    _tile_loadd(4, qbuf, 2 * D);
+    _tile_loadd(5, qbuf + 32, 2 * D);
+    if (D == 128) {
+        _tile_loadd(6, qbuf + 64, 2 * D);
+        _tile_loadd(7, qbuf + 96, 2 * D);
+    }
+    for (int j = 0; j < key_tiles; j += 2) { /* width is whole pairs of key tiles */
+        SCORE_TILE(2, 0, D, j);
+        SCORE_TILE(3, 1, D, j + 1);
+    }
+    float sums[STRIP];
+    for (int r = 0; r < STRIP; r++) {
+        float *s = scores + (long)r * width;
+        uint16_t *p = probs + (long)r * width;
+        int visible = r < rows ? pos[r] + 1 : 0;
+        __m512 top = _mm512_set1_ps(-FLT_MAX), sum = _mm512_setzero_ps(), k = _mm512_set1_ps(scale);
+        for (int c = 0; c < visible; c += 16) {
+            __mmask16 lanes = first_lanes(visible - c);
+            top = _mm512_mask_max_ps(top, lanes, top, _mm512_mul_ps(_mm512_loadu_ps(s + c), k));
+        }
+        __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+        for (int c = 0; c < width; c += 16) {
+            __mmask16 lanes = c < visible ? first_lanes(visible - c) : 0;
+            __m512 e = exp512_nonpositive(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(s + c), k), shift));
+            e = _mm512_maskz_mov_ps(lanes, e);
+            sum = _mm512_add_ps(sum, e);
+            _mm256_storeu_si256((__m256i *)(p + c), (__m256i)_mm512_cvtneps_pbh(e));
+        }
+        sums[r] = _mm512_reduce_add_ps(sum);
+    }
+    for (int d0 = 0; d0 < D; d0 += DIMS_A_PASS) {
+        _tile_zero(4);
+        _tile_zero(5);
+        _tile_zero(6);
+        _tile_zero(7);
+        for (int c = 0; c < width; c += 32) {
+            /* value rows: key pairs of keys c..c+31 (two value tiles, contiguous), D pairs of dims apart */
+            const uint16_t *vt = values + (long)(c / KEYS) * D * KEYS + 2 * d0;
+            _tile_loadd(0, probs + c, 2 * width);
+            _tile_loadd(1, vt, 4 * D);
+            _tile_dpbf16ps(4, 0, 1);
+            _tile_loadd(2, vt + 32, 4 * D);
+            _tile_dpbf16ps(5, 0, 2);
+            _tile_loadd(3, vt + 64, 4 * D);
+            _tile_dpbf16ps(6, 0, 3);
+            _tile_loadd(1, vt + 96, 4 * D);
+            _tile_dpbf16ps(7, 0, 1);
+        }
+        _tile_stored(4, obuf, 4 * DIMS_A_PASS);
+        _tile_stored(5, obuf + 16, 4 * DIMS_A_PASS);
+        _tile_stored(6, obuf + 32, 4 * DIMS_A_PASS);
+        _tile_stored(7, obuf + 48, 4 * DIMS_A_PASS);
+        for (int r = 0; r < rows; r++) {
+            __m512 inv = _mm512_set1_ps(1.f / sums[r]);
+            for (int i = 0; i < DIMS_A_PASS / 16; i++)
+                _mm256_storeu_si256((__m256i *)(outs[r] + d0 + 16 * i),
+                                    (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(obuf + r * DIMS_A_PASS + 16 * i), inv)));
+        }
+    }
+}
+
+/* A task's rows (token, query head of the group), 16 at a time, through attend_strip_amx. */
+static void attend_task_amx(const int D, const uint16_t *q, long q_stride, int group, int heads, int head0,
+                            int first_pos, int tokens, const uint16_t *keys, const uint16_t *values, float scale,
+                            uint16_t *out, uint16_t *qbuf, float *scores, uint16_t *probs, float *obuf) {
+    for (int row0 = 0; row0 < tokens * group; row0 += STRIP) {
+        const uint16_t *rows[STRIP];
+        uint16_t *outs[STRIP];
+        int pos[STRIP], n = tokens * group - row0 < STRIP ? tokens * group - row0 : STRIP;
+        for (int r = 0; r < n; r++) {
+            int t = (row0 + r) / group, head = head0 + (row0 + r) % group;
+            rows[r] = q + (long)t * q_stride + (long)head * D;
+            outs[r] = out + ((long)t * heads + head) * D;
+            pos[r] = first_pos + t;
+        }
+        attend_strip_amx(D, n, rows, pos, keys, values, scale, outs, qbuf, scores, probs, obuf);
+    }
+}
+#endif
 
 #elif defined(__AVX2__) && defined(__FMA__)
 #define HAVE_EXTEND 1
@@ -392,6 +529,25 @@ int paged_extend(const uint16_t *q, long q_stride, const uint16_t *k_cache, cons
             for (int t = 0; t < n; t += QUERY_CHUNK) list[at++] = (struct task){b, h, seq_lens[b] - n + t};
     }
     qsort(list, tasks, sizeof *list, later_first);
+    char *strips = 0;
+#ifdef HAVE_EXTEND_AMX
+    /* Each thread's strip scratch (attend_strip_amx), for the longest served sequence's keys. */
+    long strip_bytes = 0, widest = 0;
+    if (extend_amx && amx_permitted()) {
+        for (int b = 0; b < batch; b++)
+            if (tile0[b] >= 0 && seq_lens[b] > widest) widest = seq_lens[b];
+        widest = (widest + 31) / 32 * 32;
+        strip_bytes = (4L * STRIP * 64 + 6L * STRIP * widest + 2L * STRIP * MAX_HEAD_DIM + 63) / 64 * 64;
+        strips = aligned_alloc(64, strip_bytes * num_threads);
+        if (!strips) {
+            free(tile0);
+            free(keys);
+            free(list);
+            free(scratch);
+            return -2;
+        }
+    }
+#endif
 #pragma omp parallel num_threads(num_threads)
     {
         /* Every served sequence's tiles, for every KV head, laid out once. */
@@ -406,6 +562,10 @@ int paged_extend(const uint16_t *q, long q_stride, const uint16_t *k_cache, cons
                           values + at_tile * tile_values);
         }
         void *own = scratch ? scratch + TASK_SCRATCH * omp_get_thread_num() : 0;
+#ifdef HAVE_EXTEND_AMX
+        char *strip = strips ? strips + strip_bytes * omp_get_thread_num() : 0;
+        if (strip) configure_strip_tiles();
+#endif
 #pragma omp for schedule(dynamic, 1)
         for (int i = 0; i < tasks; i++) {
             struct task task = list[i];
@@ -414,6 +574,16 @@ int paged_extend(const uint16_t *q, long q_stride, const uint16_t *k_cache, cons
             long at_tile = tile0[b] * kv_heads + (long)task.head * seq_tiles(seq_lens[b]);
             const uint16_t *rows = q + (long)(query_start_loc[b] + first) * q_stride;
             uint16_t *dst = out + (long)(query_start_loc[b] + first) * heads * D;
+#ifdef HAVE_EXTEND_AMX
+            if (strip) {
+                float *obuf = (float *)strip, *scores = obuf + STRIP * 64;
+                uint16_t *qbuf = (uint16_t *)(scores + (long)STRIP * widest), *probs = qbuf + STRIP * MAX_HEAD_DIM;
+                attend_task_amx(D, rows, q_stride, group, heads, task.head * group, task.token, tokens,
+                                keys + at_tile * tile_values, values + at_tile * tile_values, scale, dst, qbuf,
+                                scores, probs, obuf);
+                continue;
+            }
+#endif
             if (D == 64)
                 attend_task(64, RT64, rows, q_stride, group, heads, task.head * group, task.token, tokens,
                             keys + at_tile * tile_values, values + at_tile * tile_values, scale, dst, own);
@@ -421,7 +591,11 @@ int paged_extend(const uint16_t *q, long q_stride, const uint16_t *k_cache, cons
                 attend_task(128, RT128, rows, q_stride, group, heads, task.head * group, task.token, tokens,
                             keys + at_tile * tile_values, values + at_tile * tile_values, scale, dst, own);
         }
+#ifdef HAVE_EXTEND_AMX
+        if (strip) _tile_release(); /* a thread holding tile state costs every context switch 8 KB more */
+#endif
     }
+    free(strips);
     free(tile0);
     free(keys);
     free(list);
@@ -437,3 +611,15 @@ int paged_extend(const uint16_t *q, long q_stride, const uint16_t *k_cache, cons
     return -1; /* neither AVX512-BF16 nor AVX2 here: the caller takes another path */
 }
 #endif
+
+/* Whether the kernel multiplies through AMX tiles (on: where the CPU has them, the default) or not; returns
+ * whether it now does. */
+int paged_extend_set_amx(int on) {
+#ifdef HAVE_EXTEND_AMX
+    extend_amx = on;
+    return on && amx_permitted();
+#else
+    (void)on;
+    return 0;
+#endif
+}
