@@ -23,9 +23,12 @@ import torch.nn.functional as F
 
 from inference_engine.attention import AttentionMetadata
 from kernels.cpu import attention as cpu_attention
+from kernels.cpu.linear import NATIVE_STEP_ROWS
 from kernels.timing import best_time
 
-NATIVE_QUERY_MIN = 32  # chunks of up to this many new tokens always run on the native kernel
+# Chunks of up to this many new tokens always run on the native kernel, one query a token: the native decoder
+# takes steps of up to as many rows, their attention through the same kernel.
+NATIVE_QUERY_MIN = NATIVE_STEP_ROWS
 _CALIBRATION_LENGTHS = (64, 128, 256, 512, 1024)  # longer would make the timing itself costly
 EVERY_LENGTH = 2**31 - 1  # the native kernels' limit where they beat SDPA at every calibration length
 

@@ -47,6 +47,9 @@ _AMX_TILE_ROWS = 512
 # Steps of up to this many rows give each row the bits it gets alone (see _amx_rows): the native kernels serve
 # them even where oneDNN measures faster, and take AMX only beyond.
 SAME_BITS_ROWS = 20
+# A step of up to this many rows may run whole in the native decoder (kernels/cpu/decoder.py), where every
+# layer's linear takes one of our routines for it.
+NATIVE_STEP_ROWS = 32
 # How far ahead the quantized kernel may prefetch its weight stream, in bytes (`time_quant_prefetch`).
 QUANT_PREFETCH_BYTES = (1024, 2048, 4096)
 
@@ -360,7 +363,7 @@ def _dense_plan(n: int, k: int) -> _Plan:
     if not prepacking_works(BF16):
         return _Plan(_ALL, keep_other=False)
 
-    floor = _forced_rows(native_bf16())
+    floor = _forced_rows(native_bf16(), dense=True)
 
     def time_it() -> _Plan:
         weight = torch.randn(n, k, generator=torch.Generator().manual_seed(0)).to(BF16)
@@ -370,10 +373,16 @@ def _dense_plan(n: int, k: int) -> _Plan:
     return _remembered(f"bf16 [{n}, {k}] above {floor} rows", time_it)
 
 
-def _forced_rows(native: bool) -> int:
-    """Up to how many rows a native kernel with vector code serves a step whatever the timing (see
-    `_amx_rows`): `SAME_BITS_ROWS`, or none without vector code."""
-    return SAME_BITS_ROWS if native else 0
+def _forced_rows(native: bool, dense: bool = False) -> int:
+    """Up to how many rows a native kernel with vector code serves a step whatever the timing (none without
+    vector code): `SAME_BITS_ROWS` (see `_amx_rows`), and for a dense weight every step the native decoder
+    takes whole (`NATIVE_STEP_ROWS`). Where oneDNN took such a step for one layer, the whole step would leave
+    the decoder for the layer-by-layer path, some 300 Python calls; and the two kernels' crossover lies near
+    there, where timing noise moves it by a third from one timing to the next. A quantized weight's larger
+    steps go through its dequantized tiles, which the decoder runs too."""
+    if not native:
+        return 0
+    return max(SAME_BITS_ROWS, NATIVE_STEP_ROWS) if dense else SAME_BITS_ROWS
 
 
 def _pack_dense(weight: torch.Tensor, keep_rows: bool, pad: bool) -> PackedLinear:
@@ -392,7 +401,7 @@ def _pack_dense(weight: torch.Tensor, keep_rows: bool, pad: bool) -> PackedLinea
     if not plan.keep_other:
         return PackedLinear(n, k, tiles, tiles, _ALL, tiles.rows, (tiles.tiles,))
     onednn = _OneDNN(weight, pad)
-    small_rows = max(plan.native_rows, _forced_rows(native_bf16()))
+    small_rows = max(plan.native_rows, _forced_rows(native_bf16(), dense=True))
     return PackedLinear(n, k, tiles, onednn, small_rows, tiles.rows, (tiles.tiles, onednn.resident))
 
 

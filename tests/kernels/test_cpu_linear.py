@@ -182,6 +182,23 @@ def test_the_native_kernels_serve_steps_of_up_to_20_rows(gen, shape):
 
 @needs_native
 @needs_bf16
+def test_dense_weights_serve_every_step_the_native_decoder_takes(monkeypatch, gen):
+    """Even where oneDNN times faster right above the rows the kernel serves whatever the timing: a layer that
+    left a step of up to `NATIVE_STEP_ROWS` rows to oneDNN would send every such step through the
+    layer-by-layer path instead of the native decoder."""
+    monkeypatch.setattr(cpu_linear, "_remembered", lambda key, time_it: time_it())
+    onednn_faster_above_floor = lambda *args, floor=0, **kwargs: cpu_linear._Plan(floor, keep_other=True)  # noqa: E731
+    monkeypatch.setattr(cpu_linear, "_timed_plan", onednn_faster_above_floor)
+    cpu_linear._dense_plan.cache_clear()
+    try:
+        packed = cpu_linear.pack(rand(gen, 576, 1536), BF16)
+    finally:
+        cpu_linear._dense_plan.cache_clear()
+    assert packed.small_rows >= cpu_linear.NATIVE_STEP_ROWS
+
+
+@needs_native
+@needs_bf16
 @pytest.mark.parametrize("rows", [1, 5, 33])
 @pytest.mark.parametrize("amx_rows", [0, 1], ids=["vector", "amx"])
 def test_dense_bf16_lm_head(gen, rows, amx_rows):
