@@ -42,8 +42,9 @@ _LARGE_ROWS = 512  # the row count at which a routine for prompts (many rows) is
 _CANDIDATE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256)  # where a crossover is looked for
 _ALL = math.inf
 # Up to this many rows, a quantized weight's tiles dequantized one at a time into AMX beat the weight
-# dequantized whole for oneDNN; beyond, oneDNN's AMX matmul, blocked for many rows, outruns our AMX routine.
-_AMX_TILE_ROWS = 512
+# dequantized whole for oneDNN; beyond, oneDNN's AMX matmul, blocked for many rows, outruns our AMX routine,
+# whose passes of x then no longer stay in L2.
+_AMX_TILE_ROWS = 768
 # Steps of up to this many rows give each row the bits it gets alone (see _amx_rows): the native kernels serve
 # them even where oneDNN measures faster, and take AMX only beyond.
 SAME_BITS_ROWS = 20

@@ -375,7 +375,7 @@ def test_without_quantized_weights_the_prefetch_distance_is_left_alone(gen, pref
 
 
 @needs_native
-@pytest.mark.parametrize("rows", [1, 33, 300, 600])
+@pytest.mark.parametrize("rows", [1, 33, 300, 800])
 def test_dequantized_matmul_routine(gen, rows):
     """What `pack` runs instead of the native kernel for many rows where that measures faster: tile by tile,
     or (with AMX, beyond `_AMX_TILE_ROWS` rows) the weight dequantized whole."""
