@@ -232,7 +232,7 @@ static void tile_amx(const uint16_t *x, long k, int rows, int valid_rows, const 
 static int linear_bf16_amx(const struct bf16_weight *w, pair_tile_fn tile_of, const void *source, int scratch,
                            const uint16_t *x, long ldx, int m, const uint16_t *bias, uint16_t *out, int threads) {
     int tiles = (w->n + TILE - 1) / TILE, pairs = w->k / 2, passes = (m + AMX_ROWS - 1) / AMX_ROWS, failed = 0;
-    int rows = (m + passes - 1) / passes;
+    int rows = (m + passes - 1) / passes, block = passes > 1 ? AMX_BLOCK_PAIRS : pairs; /* one pass: no reuse */
     long k = w->k;
     uint16_t *xp = aligned_alloc(64, (sizeof(uint16_t) * passes * rows * k + 63) / 64 * 64);
     if (!xp) return -1;
@@ -253,8 +253,8 @@ static int linear_bf16_amx(const struct bf16_weight *w, pair_tile_fn tile_of, co
             const uint16_t *wt = tile_of(source, tile, buffer), *b = bias ? bias + tile * TILE : 0;
             int valid = w->n - tile * TILE < TILE ? w->n - tile * TILE : TILE;
             /* A block of the tile's columns meets every pass while it and the pass's x stay in L1. */
-            for (int p0 = 0; p0 < pairs; p0 += AMX_BLOCK_PAIRS) {
-                int p1 = p0 + AMX_BLOCK_PAIRS < pairs ? p0 + AMX_BLOCK_PAIRS : pairs;
+            for (int p0 = 0; p0 < pairs; p0 += block) {
+                int p1 = p0 + block < pairs ? p0 + block : pairs;
                 for (int r = 0; r < m; r += rows)
                     tile_amx(xp + r * k, k, rows, m - r < rows ? m - r : rows, wt, p0, p1, pairs, b,
                              out + (long)r * w->n + tile * TILE, w->n, valid, sums + r / rows * TILE * TILE);
