@@ -186,8 +186,11 @@ def test_dense_weights_serve_every_step_the_native_decoder_takes(monkeypatch, ge
     """Even where oneDNN times faster right above the rows the kernel serves whatever the timing: a layer that
     left a step of up to `NATIVE_STEP_ROWS` rows to oneDNN would send every such step through the
     layer-by-layer path instead of the native decoder."""
+
+    def onednn_faster_above_floor(*args, floor: int = 0, **kwargs) -> cpu_linear._Plan:
+        return cpu_linear._Plan(floor, keep_other=True)
+
     monkeypatch.setattr(cpu_linear, "_remembered", lambda key, time_it: time_it())
-    onednn_faster_above_floor = lambda *args, floor=0, **kwargs: cpu_linear._Plan(floor, keep_other=True)  # noqa: E731
     monkeypatch.setattr(cpu_linear, "_timed_plan", onednn_faster_above_floor)
     cpu_linear._dense_plan.cache_clear()
     try:

@@ -226,9 +226,9 @@ static void tile_amx(const uint16_t *x, long k, int rows, int valid_rows, const 
 
 /* linear_bf16_from through AMX tiles, in passes of up to AMX_ROWS rows (x copied once, zero-padded to whole
  * passes, so that every pass fills the tiles as configured). Each weight tile is taken once, a block of its
- * columns at a time, and each block meets every pass while it and the pass's x stay in L1; each pass's sums
- * wait in memory between blocks. A whole tile against a whole pass (72 KB for K = 576) ran from L2, at two
- * thirds of the rate. Returns 0, or -1 without scratch memory. */
+ * columns at a time, and each block meets every pass while it and the pass's x stay in L1 (a whole tile
+ * against a whole pass, 72 KB for K = 576, would run from L2); each pass's sums wait in memory between
+ * blocks. Returns 0, or -1 without scratch memory. */
 static int linear_bf16_amx(const struct bf16_weight *w, pair_tile_fn tile_of, const void *source, int scratch,
                            const uint16_t *x, long ldx, int m, const uint16_t *bias, uint16_t *out, int threads) {
     int tiles = (w->n + TILE - 1) / TILE, pairs = w->k / 2, passes = (m + AMX_ROWS - 1) / AMX_ROWS, failed = 0;

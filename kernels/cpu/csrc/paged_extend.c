@@ -176,8 +176,9 @@ static inline __attribute__((always_inline)) void attend_task(const int D, const
  * are already the layout it takes, as are the value tiles for P @ V), so a strip of 16 rows runs as three
  * passes over its keys: S = Q K^T through tiles, the softmax row by row in vectors (exact maxima, no
  * rescaling), and O = P V through tiles, its sums in tile registers for all the keys. Tiles, all 16 rows by
- * 64 bytes: tmm0, tmm1: keys, or a block of P; tmm2, tmm3: scores of two key tiles; tmm4-7: the queries'
- * dimension blocks (16 rows by 32 dimensions), or four blocks of 16 dimensions of O; tmm1-3 also values. */
+ * 64 bytes: for S, tmm0 and tmm1 a key tile's dimension blocks, tmm2 and tmm3 the scores of two key tiles,
+ * tmm4-7 the queries' dimension blocks (32 dimensions each); for O, tmm0 a block of P (32 keys), tmm1-3
+ * value blocks, tmm4-7 four blocks of 16 dimensions of O. */
 #define STRIP 16
 #define DIMS_A_PASS 64 /* dimensions of O a pass over P: four tiles */
 
