@@ -511,14 +511,26 @@ int paged_extend(const uint16_t *q, long q_stride, const uint16_t *k_cache, cons
         return 0;
     }
     long tile_values = (long)D * KEYS; /* per tile and KV head, in keys and again in values */
+    long strip_bytes = 0; /* AMX: a thread's strip scratch (attend_strip_amx) */
+#ifdef HAVE_EXTEND_AMX
+    long widest = 0; /* the keys of the longest served sequence, rounded up to 32 */
+    if (extend_amx && amx_permitted()) {
+        for (int b = 0; b < batch; b++)
+            if (tile0[b] >= 0 && seq_lens[b] > widest) widest = seq_lens[b];
+        widest = (widest + 31) / 32 * 32;
+        strip_bytes = (4L * STRIP * 64 + 6L * STRIP * widest + 2L * STRIP * MAX_HEAD_DIM + 63) / 64 * 64;
+    }
+#endif
     kv_t *keys = malloc(sizeof(kv_t) * tiles * kv_heads * tile_values * 2);
     struct task *list = malloc(sizeof(struct task) * tasks);
     char *scratch = TASK_SCRATCH ? malloc(TASK_SCRATCH * num_threads) : 0; /* each thread's part */
-    if (!keys || !list || (TASK_SCRATCH && !scratch)) {
+    char *strips = strip_bytes ? aligned_alloc(64, strip_bytes * num_threads) : 0; /* each thread's part */
+    if (!keys || !list || (TASK_SCRATCH && !scratch) || (strip_bytes && !strips)) {
         free(tile0);
         free(keys);
         free(list);
         free(scratch);
+        free(strips);
         return -2;
     }
     kv_t *values = keys + tiles * kv_heads * tile_values;
@@ -530,25 +542,6 @@ int paged_extend(const uint16_t *q, long q_stride, const uint16_t *k_cache, cons
             for (int t = 0; t < n; t += QUERY_CHUNK) list[at++] = (struct task){b, h, seq_lens[b] - n + t};
     }
     qsort(list, tasks, sizeof *list, later_first);
-    char *strips = 0;
-#ifdef HAVE_EXTEND_AMX
-    /* Each thread's strip scratch (attend_strip_amx), for the longest served sequence's keys. */
-    long strip_bytes = 0, widest = 0;
-    if (extend_amx && amx_permitted()) {
-        for (int b = 0; b < batch; b++)
-            if (tile0[b] >= 0 && seq_lens[b] > widest) widest = seq_lens[b];
-        widest = (widest + 31) / 32 * 32;
-        strip_bytes = (4L * STRIP * 64 + 6L * STRIP * widest + 2L * STRIP * MAX_HEAD_DIM + 63) / 64 * 64;
-        strips = aligned_alloc(64, strip_bytes * num_threads);
-        if (!strips) {
-            free(tile0);
-            free(keys);
-            free(list);
-            free(scratch);
-            return -2;
-        }
-    }
-#endif
 #pragma omp parallel num_threads(num_threads)
     {
         /* Every served sequence's tiles, for every KV head, laid out once. */
@@ -564,8 +557,15 @@ int paged_extend(const uint16_t *q, long q_stride, const uint16_t *k_cache, cons
         }
         void *own = scratch ? scratch + TASK_SCRATCH * omp_get_thread_num() : 0;
 #ifdef HAVE_EXTEND_AMX
+        /* The thread's strip scratch, in the parts attend_strip_amx takes. */
         char *strip = strips ? strips + strip_bytes * omp_get_thread_num() : 0;
-        if (strip) configure_strip_tiles();
+        float *obuf = 0, *scores = 0;
+        uint16_t *qbuf = 0, *probs = 0;
+        if (strip) {
+            obuf = (float *)strip, scores = obuf + STRIP * 64;
+            qbuf = (uint16_t *)(scores + STRIP * widest), probs = qbuf + STRIP * MAX_HEAD_DIM;
+            configure_strip_tiles();
+        }
 #endif
 #pragma omp for schedule(dynamic, 1)
         for (int i = 0; i < tasks; i++) {
@@ -577,8 +577,6 @@ int paged_extend(const uint16_t *q, long q_stride, const uint16_t *k_cache, cons
             uint16_t *dst = out + (long)(query_start_loc[b] + first) * heads * D;
 #ifdef HAVE_EXTEND_AMX
             if (strip) {
-                float *obuf = (float *)strip, *scores = obuf + STRIP * 64;
-                uint16_t *qbuf = (uint16_t *)(scores + (long)STRIP * widest), *probs = qbuf + STRIP * MAX_HEAD_DIM;
                 attend_task_amx(D, rows, q_stride, group, heads, task.head * group, task.token, tokens,
                                 keys + at_tile * tile_values, values + at_tile * tile_values, scale, dst, qbuf,
                                 scores, probs, obuf);
