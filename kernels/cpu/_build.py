@@ -25,6 +25,9 @@ CSRC = Path(__file__).with_name("csrc")
 _FLAGS = [
     "-O3",
     "-march=native",
+    # Loops the compiler vectorises (SiLU, RMSNorm, RoPE) take 512-bit vectors where the CPU has them: GCC's
+    # tuning for AVX-512 CPUs stops at 256 bits, and these loops ran 25-30 % slower so.
+    "-mprefer-vector-width=512",
     "-fopenmp",
     "-ffp-contract=off",  # a * b + c rounded as PyTorch rounds it, not fused
     "-fno-math-errno",

@@ -176,11 +176,19 @@ static void configure_tiles(int rows) {
 /* Column pairs of x and of a weight tile a block: both blocks, 32 rows each (12 KB), fit L1 together. */
 #define AMX_BLOCK_PAIRS 96
 
+/* How far ahead a pass that streams its weight from memory asks for it: into L2 a few pages ahead, and into
+ * L1 the block after the one it multiplies, so that the tile loads find it there. Where the passes share
+ * each block from L1, the L1 requests would evict the blocks still in use. */
+#define AMX_STREAM_L2_BYTES 8192
+#define AMX_STREAM_L1_BYTES 2048
+
 /* One weight tile's column pairs [p0, p1) against `rows` rows of x (configured by configure_tiles; x
  * zero-padded to them, row stride k): the sums, [32][32] fp32 in `sums`, go on from there (start from zero
- * where p0 is 0); after the last pairs, the first `valid_rows` rows of them are stored. */
+ * where p0 is 0); after the last pairs, the first `valid_rows` rows of them are stored. `streaming`: the
+ * weight is read once, from memory (a step of one pass on a dense weight). */
 static void tile_amx(const uint16_t *x, long k, int rows, int valid_rows, const uint16_t *w, int p0, int p1,
-                     int pairs, const uint16_t *bias, uint16_t *out, long ldo, int valid, float *sums) {
+                     int pairs, const uint16_t *bias, uint16_t *out, long ldo, int valid, float *sums,
+                     int streaming) {
     int two = rows > 16;
     if (p0 == 0) {
         _tile_zero(4);
@@ -198,7 +206,14 @@ static void tile_amx(const uint16_t *x, long k, int rows, int valid_rows, const 
     }
     for (int p = p0; p < p1; p += 16) {
         const uint16_t *wp = w + (long)p * 2 * TILE;
-        for (int line = 0; line < 32; line++) _mm_prefetch((const char *)wp + PREFETCH_BYTES + 64 * line, _MM_HINT_T1);
+        if (streaming) {
+            for (int line = 0; line < 32; line++) {
+                _mm_prefetch((const char *)wp + AMX_STREAM_L2_BYTES + 64 * line, _MM_HINT_T1);
+                _mm_prefetch((const char *)wp + AMX_STREAM_L1_BYTES + 64 * line, _MM_HINT_T0);
+            }
+        } else {
+            for (int line = 0; line < 32; line++) _mm_prefetch((const char *)wp + PREFETCH_BYTES + 64 * line, _MM_HINT_T1);
+        }
         _tile_loadd(0, x + 2 * p, 2 * k);
         _tile_loadd(2, wp, 4 * TILE);
         _tile_loadd(3, wp + TILE, 4 * TILE);
@@ -257,7 +272,8 @@ static int linear_bf16_amx(const struct bf16_weight *w, pair_tile_fn tile_of, co
                 int p1 = p0 + block < pairs ? p0 + block : pairs;
                 for (int r = 0; r < m; r += rows)
                     tile_amx(xp + r * k, k, rows, m - r < rows ? m - r : rows, wt, p0, p1, pairs, b,
-                             out + (long)r * w->n + tile * TILE, w->n, valid, sums + r / rows * TILE * TILE);
+                             out + (long)r * w->n + tile * TILE, w->n, valid, sums + r / rows * TILE * TILE,
+                             passes == 1 && !scratch);
             }
         }
         _tile_release(); /* a thread holding tile state costs every context switch 8 KB more */
