@@ -183,10 +183,10 @@ static void configure_tiles(int rows) {
 #define AMX_STREAM_L1_BYTES 2048
 
 /* One weight tile's column pairs [p0, p1) against `rows` rows of x (configured by configure_tiles; x
- * zero-padded to them, row stride k): the sums, [32][32] fp32 in `sums`, go on from there (start from zero
+ * holds that many, row stride ldx): the sums, [32][32] fp32 in `sums`, go on from there (start from zero
  * where p0 is 0); after the last pairs, the first `valid_rows` rows of them are stored. `streaming`: the
  * weight is read once, from memory (a step of one pass on a dense weight). */
-static void tile_amx(const uint16_t *x, long k, int rows, int valid_rows, const uint16_t *w, int p0, int p1,
+static void tile_amx(const uint16_t *x, long ldx, int rows, int valid_rows, const uint16_t *w, int p0, int p1,
                      int pairs, const uint16_t *bias, uint16_t *out, long ldo, int valid, float *sums,
                      int streaming) {
     int two = rows > 16;
@@ -214,13 +214,13 @@ static void tile_amx(const uint16_t *x, long k, int rows, int valid_rows, const 
         } else {
             for (int line = 0; line < 32; line++) _mm_prefetch((const char *)wp + PREFETCH_BYTES + 64 * line, _MM_HINT_T1);
         }
-        _tile_loadd(0, x + 2 * p, 2 * k);
+        _tile_loadd(0, x + 2 * p, 2 * ldx);
         _tile_loadd(2, wp, 4 * TILE);
         _tile_loadd(3, wp + TILE, 4 * TILE);
         _tile_dpbf16ps(4, 0, 2);
         _tile_dpbf16ps(5, 0, 3);
         if (two) {
-            _tile_loadd(1, x + 16 * k + 2 * p, 2 * k);
+            _tile_loadd(1, x + 16 * ldx + 2 * p, 2 * ldx);
             _tile_dpbf16ps(6, 1, 2);
             _tile_dpbf16ps(7, 1, 3);
         }
@@ -239,8 +239,9 @@ static void tile_amx(const uint16_t *x, long k, int rows, int valid_rows, const 
         store_row_avx512(_mm512_load_ps(sums + m * TILE), _mm512_load_ps(sums + m * TILE + 16), b, lanes, out + m * ldo);
 }
 
-/* linear_bf16_from through AMX tiles, in passes of up to AMX_ROWS rows (x copied once, zero-padded to whole
- * passes, so that every pass fills the tiles as configured). Each weight tile is taken once, a block of its
+/* linear_bf16_from through AMX tiles, in passes of up to AMX_ROWS rows. One pass reads x in place (its tiles
+ * are configured for exactly its rows); several read a copy zero-padded to whole passes, so that every pass
+ * fills the tiles as configured. Each weight tile is taken once, a block of its
  * columns at a time, and each block meets every pass while it and the pass's x stay in L1 (a whole tile
  * against a whole pass, 72 KB for K = 576, would run from L2); each pass's sums wait in memory between
  * blocks. Returns 0, or -1 without scratch memory. */
@@ -248,15 +249,19 @@ static int linear_bf16_amx(const struct bf16_weight *w, pair_tile_fn tile_of, co
                            const uint16_t *x, long ldx, int m, const uint16_t *bias, uint16_t *out, int threads) {
     int tiles = (w->n + TILE - 1) / TILE, pairs = w->k / 2, passes = (m + AMX_ROWS - 1) / AMX_ROWS, failed = 0;
     int rows = (m + passes - 1) / passes, block = passes > 1 ? AMX_BLOCK_PAIRS : pairs; /* one pass: no reuse */
-    long k = w->k;
-    uint16_t *xp = aligned_alloc(64, (sizeof(uint16_t) * passes * rows * k + 63) / 64 * 64);
-    if (!xp) return -1;
-    for (int r = 0; r < passes * rows; r++) {
-        if (r < m)
-            memcpy(xp + r * k, x + r * ldx, sizeof(uint16_t) * k);
-        else
-            memset(xp + r * k, 0, sizeof(uint16_t) * k);
+    long k = w->k, ldp = passes > 1 ? k : ldx;
+    uint16_t *xp = 0;
+    if (passes > 1) {
+        xp = aligned_alloc(64, (sizeof(uint16_t) * passes * rows * k + 63) / 64 * 64);
+        if (!xp) return -1;
+        for (int r = 0; r < passes * rows; r++) {
+            if (r < m)
+                memcpy(xp + r * k, x + r * ldx, sizeof(uint16_t) * k);
+            else
+                memset(xp + r * k, 0, sizeof(uint16_t) * k);
+        }
     }
+    const uint16_t *xs = xp ? xp : x;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         int t = omp_get_thread_num(), nthreads = omp_get_num_threads();
@@ -271,7 +276,7 @@ static int linear_bf16_amx(const struct bf16_weight *w, pair_tile_fn tile_of, co
             for (int p0 = 0; p0 < pairs; p0 += block) {
                 int p1 = p0 + block < pairs ? p0 + block : pairs;
                 for (int r = 0; r < m; r += rows)
-                    tile_amx(xp + r * k, k, rows, m - r < rows ? m - r : rows, wt, p0, p1, pairs, b,
+                    tile_amx(xs + r * ldp, ldp, rows, m - r < rows ? m - r : rows, wt, p0, p1, pairs, b,
                              out + (long)r * w->n + tile * TILE, w->n, valid, sums + r / rows * TILE * TILE,
                              passes == 1 && !scratch);
             }
