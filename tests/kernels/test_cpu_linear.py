@@ -143,15 +143,15 @@ def test_dense_bf16_fma_and_vdpbf16_give_the_same_bits(gen, shape):
 @needs_amx
 @pytest.mark.parametrize("shape", [(200, 96), (45, 64), (33, 1536)], ids=str)
 def test_dense_bf16_amx_bias_strided_rows_and_two_threads(gen, shape):
-    """AMX takes K in blocks of 32 columns and rows in passes of up to 32 (one pass reads x in place, several
-    a zero-padded copy): row counts around a pass, partial tiles of outputs, and rows of x further apart than
-    K."""
+    """AMX takes K in blocks of 32 columns and rows in even passes of up to 32, read in place but for a
+    shorter last pass (a zero-padded copy): row counts around a pass, passes all whole (64), partial tiles of
+    outputs, and rows of x further apart than K."""
     torch.set_num_threads(2)
     n, k = shape
     weight, bias = rand(gen, n, k), rand(gen, n)
     routine = cpu_linear._BF16Tiles(weight, amx_rows=1)
     wide = rand(gen, 70, k + 40)
-    for rows in (1, 16, 17, 32, 33, 70):
+    for rows in (1, 16, 17, 32, 33, 64, 70):
         x = wide[:rows, 7 : 7 + k]
         assert_matches(routine(x, bias), x, weight, bias)
 

@@ -239,9 +239,9 @@ static void tile_amx(const uint16_t *x, long ldx, int rows, int valid_rows, cons
         store_row_avx512(_mm512_load_ps(sums + m * TILE), _mm512_load_ps(sums + m * TILE + 16), b, lanes, out + m * ldo);
 }
 
-/* linear_bf16_from through AMX tiles, in passes of up to AMX_ROWS rows. One pass reads x in place (its tiles
- * are configured for exactly its rows); several read a copy zero-padded to whole passes, so that every pass
- * fills the tiles as configured. Each weight tile is taken once, a block of its
+/* linear_bf16_from through AMX tiles, in passes of up to AMX_ROWS rows, as even as they can be. The passes read
+ * x in place, but for a last pass shorter than the others, which reads a copy zero-padded to their rows: the
+ * tiles are configured once for all passes. Each weight tile is taken once, a block of its
  * columns at a time, and each block meets every pass while it and the pass's x stay in L1 (a whole tile
  * against a whole pass, 72 KB for K = 576, would run from L2); each pass's sums wait in memory between
  * blocks. Returns 0, or -1 without scratch memory. */
@@ -249,19 +249,19 @@ static int linear_bf16_amx(const struct bf16_weight *w, pair_tile_fn tile_of, co
                            const uint16_t *x, long ldx, int m, const uint16_t *bias, uint16_t *out, int threads) {
     int tiles = (w->n + TILE - 1) / TILE, pairs = w->k / 2, passes = (m + AMX_ROWS - 1) / AMX_ROWS, failed = 0;
     int rows = (m + passes - 1) / passes, block = passes > 1 ? AMX_BLOCK_PAIRS : pairs; /* one pass: no reuse */
-    long k = w->k, ldp = passes > 1 ? k : ldx;
-    uint16_t *xp = 0;
-    if (passes > 1) {
-        xp = aligned_alloc(64, (sizeof(uint16_t) * passes * rows * k + 63) / 64 * 64);
-        if (!xp) return -1;
-        for (int r = 0; r < passes * rows; r++) {
-            if (r < m)
-                memcpy(xp + r * k, x + r * ldx, sizeof(uint16_t) * k);
+    long k = w->k;
+    int last = (passes - 1) * rows; /* the last pass's first row */
+    uint16_t *tail = 0;
+    if (m - last < rows) {
+        tail = aligned_alloc(64, (sizeof(uint16_t) * rows * k + 63) / 64 * 64);
+        if (!tail) return -1;
+        for (int r = 0; r < rows; r++) {
+            if (last + r < m)
+                memcpy(tail + r * k, x + (last + r) * ldx, sizeof(uint16_t) * k);
             else
-                memset(xp + r * k, 0, sizeof(uint16_t) * k);
+                memset(tail + r * k, 0, sizeof(uint16_t) * k);
         }
     }
-    const uint16_t *xs = xp ? xp : x;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         int t = omp_get_thread_num(), nthreads = omp_get_num_threads();
@@ -276,7 +276,8 @@ static int linear_bf16_amx(const struct bf16_weight *w, pair_tile_fn tile_of, co
             for (int p0 = 0; p0 < pairs; p0 += block) {
                 int p1 = p0 + block < pairs ? p0 + block : pairs;
                 for (int r = 0; r < m; r += rows)
-                    tile_amx(xs + r * ldp, ldp, rows, m - r < rows ? m - r : rows, wt, p0, p1, pairs, b,
+                    tile_amx(tail && r == last ? tail : x + r * ldx, tail && r == last ? k : ldx, rows,
+                             m - r < rows ? m - r : rows, wt, p0, p1, pairs, b,
                              out + (long)r * w->n + tile * TILE, w->n, valid, sums + r / rows * TILE * TILE,
                              passes == 1 && !scratch);
             }
@@ -285,7 +286,7 @@ static int linear_bf16_amx(const struct bf16_weight *w, pair_tile_fn tile_of, co
         free(sums);
         free(buffer);
     }
-    free(xp);
+    free(tail);
     return failed ? -1 : 0;
 }
 #endif
