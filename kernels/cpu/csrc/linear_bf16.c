@@ -249,6 +249,7 @@ static int linear_bf16_amx(const struct bf16_weight *w, pair_tile_fn tile_of, co
                            const uint16_t *x, long ldx, int m, const uint16_t *bias, uint16_t *out, int threads) {
     int tiles = (w->n + TILE - 1) / TILE, pairs = w->k / 2, passes = (m + AMX_ROWS - 1) / AMX_ROWS, failed = 0;
     int rows = (m + passes - 1) / passes, block = passes > 1 ? AMX_BLOCK_PAIRS : pairs; /* one pass: no reuse */
+    int streaming = passes == 1 && !scratch; /* see tile_amx */
     long k = w->k;
     int last = (passes - 1) * rows; /* the last pass's first row */
     uint16_t *tail = 0;
@@ -275,11 +276,12 @@ static int linear_bf16_amx(const struct bf16_weight *w, pair_tile_fn tile_of, co
             /* A block of the tile's columns meets every pass while it and the pass's x stay in L1. */
             for (int p0 = 0; p0 < pairs; p0 += block) {
                 int p1 = p0 + block < pairs ? p0 + block : pairs;
-                for (int r = 0; r < m; r += rows)
-                    tile_amx(tail && r == last ? tail : x + r * ldx, tail && r == last ? k : ldx, rows,
-                             m - r < rows ? m - r : rows, wt, p0, p1, pairs, b,
-                             out + (long)r * w->n + tile * TILE, w->n, valid, sums + r / rows * TILE * TILE,
-                             passes == 1 && !scratch);
+                for (int r = 0; r < m; r += rows) {
+                    int copied = tail && r == last;
+                    tile_amx(copied ? tail : x + r * ldx, copied ? k : ldx, rows, m - r < rows ? m - r : rows, wt,
+                             p0, p1, pairs, b, out + (long)r * w->n + tile * TILE, w->n, valid,
+                             sums + r / rows * TILE * TILE, streaming);
+                }
             }
         }
         _tile_release(); /* a thread holding tile state costs every context switch 8 KB more */
