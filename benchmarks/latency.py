@@ -13,8 +13,11 @@ any work (on a virtual machine whose idle cores wake slowly, milliseconds). The 
 time to read the model's weights once at the bandwidth measured in the same run: before the runs and again
 before each batch-1 run, since a shared machine's bandwidth drifts from one minute to the next. The floor
 reported is the fastest of those reads, and batch 1 is given both as its best time over that floor and as each
-run over the floor read just before it. `--quantized` runs both sides on the bundled Q4_1 file instead. JSON
-and a PNG plot under benchmarks/results/; where llama.cpp cannot be built that half is skipped with a message.
+run over the floor read just before it. Likewise for the first token, the prefill floor is the time its
+arithmetic takes at the fastest dense matmul PyTorch reaches here in the same run (MKL in fp32, oneDNN in
+bf16: AMX tiles where the CPU has them): every linear layer on every prompt token, causal attention, the LM
+head on the last token. `--quantized` runs both sides on the bundled Q4_1 file instead. JSON and a PNG plot
+under benchmarks/results/; where llama.cpp cannot be built that half is skipped with a message.
 """
 
 from __future__ import annotations
@@ -39,11 +42,42 @@ from benchmarks.offline_throughput import measure_read_bandwidth, step_read_byte
 from inference_engine import LLM, SamplingParams
 from inference_engine.bus.redis_server import free_port
 from inference_engine.engine_loop import on_a_thread_that_ends
-from inference_engine.model_loader import default_model_path
+from inference_engine.model_loader import ModelConfig, default_model_path
 
 BATCHES = (1, 2, 4, 8)
 TOKENS = 128
 SENTENCE = "The committee reviewed the proposal and asked for a revised budget before the next meeting. "
+
+
+def prefill_flops(config: ModelConfig, tokens: int) -> dict[str, float]:
+    """Floating-point operations (a multiply-add counts two) of a prompt's prefill up to its first token:
+    the linear layers on every token, attention's scores and weighted sums over each token's causal prefix,
+    and the LM head on the last token alone."""
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    per_token = config.hidden_size * (2 * q + 2 * kv) + 3 * config.hidden_size * config.intermediate_size
+    return {
+        "linear": 2.0 * config.num_hidden_layers * tokens * per_token,
+        "attention": 2.0 * config.num_hidden_layers * 2 * q * tokens * (tokens + 1) / 2,
+        "head": 2.0 * config.vocab_size * config.hidden_size,
+    }
+
+
+def measure_matmul_rate(size: int = 2048) -> float:
+    """FLOP/s of the fastest [size, size] matmul PyTorch runs here on this thread's torch thread count, in
+    fp32 or in bf16, best of five each. Measured on a thread that ends (see measure_read_bandwidth)."""
+
+    def best_rate() -> float:
+        best = 0.0
+        for dtype in (torch.float32, torch.bfloat16):
+            a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
+            a @ b
+            for _ in range(5):
+                start = time.perf_counter()
+                a @ b
+                best = max(best, 2 * size**3 / (time.perf_counter() - start))
+        return best
+
+    return on_a_thread_that_ends(best_rate)
 
 
 def prompt_of(tokens: int, tokenizer) -> str:
@@ -165,14 +199,19 @@ def main() -> None:
     llm = LLM(model=str(model), dtype="bfloat16", max_num_seqs=8, max_model_len=2048, log_stats_interval=0)
     weights = step_read_bytes(llm.llm_engine.runner)
     bandwidth = measure_read_bandwidth(torch.device("cpu"))
+    matmul_rate = measure_matmul_rate()
     tokenizer = llm.get_tokenizer()
     prompts = {n: prompt_of(n, tokenizer) for n in (30, 1000)}
+    flops = {n: prefill_flops(llm.llm_engine.runner.model_config, n) for n in prompts}
     result: dict = {
         "model": label,
         "threads": args.threads,
         "weights_bytes": weights,
         "read_bandwidth_gbs": bandwidth / 1e9,
         "weights_floor_ms": 1000 * weights / bandwidth,
+        "matmul_gflops": matmul_rate / 1e9,
+        "prefill_gflop": {n: {part: f / 1e9 for part, f in parts.items()} for n, parts in flops.items()},
+        "prefill_floor_ms": {n: 1000 * sum(parts.values()) / matmul_rate for n, parts in flops.items()},
         "ours": {"tpot_ms": {}, "ttft_offline_ms": {}, "ttft_http_ms": {}},
         "ours_multi_step": {"num_scheduler_steps": args.num_scheduler_steps, "tpot_ms": {}},
         "llamacpp": {"tpot_ms": {}, "ttft_http_ms": {}},
@@ -221,6 +260,11 @@ def main() -> None:
             result["ours"]["ttft_offline_ms"][n] = 1000 * min(
                 engine_ttft(llm, prompt) for _ in range(args.repeats)
             )
+        print(
+            f"first token offline: {json.dumps(result['ours']['ttft_offline_ms'])} ms; prefill floor "
+            f"{json.dumps(result['prefill_floor_ms'])} ms at {result['matmul_gflops']:.0f} GFLOP/s",
+            flush=True,
+        )
         llm.llm_engine.shutdown()
         del llm
         if not args.skip_http:
@@ -310,6 +354,9 @@ def plot(result: dict, path: Path) -> None:
                 values.append(ms)
     for n, ms in result.get("http_round_trip_ms", {}).items():
         labels.append(f"trivial\nserver {n}")
+        values.append(ms)
+    for n, ms in result["prefill_floor_ms"].items():
+        labels.append(f"prefill\nfloor {n}")
         values.append(ms)
     right.bar(range(len(values)), values)
     right.set_xticks(range(len(values)), labels, fontsize=7)
