@@ -49,12 +49,18 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
 
     @property
+    def layer_linear_parameters(self) -> int:
+        """Weights of one decoder layer's linear layers (q, k, v, o, gate, up, down): what each token
+        multiplies by in every layer."""
+        kv = self.num_key_value_heads * self.head_dim
+        attention = self.hidden_size * (2 * self.num_attention_heads * self.head_dim + 2 * kv)
+        return attention + 3 * self.hidden_size * self.intermediate_size
+
+    @property
     def num_parameters(self) -> int:
         """Parameters of the model (a tied embedding / LM head counted once): what one decode step reads,
         whatever extra copies the kernels keep resident."""
-        kv = self.num_key_value_heads * self.head_dim
-        layer = self.hidden_size * (2 * self.num_attention_heads * self.head_dim + 2 * kv)
-        layer += 3 * self.hidden_size * self.intermediate_size + 2 * self.hidden_size
+        layer = self.layer_linear_parameters + 2 * self.hidden_size  # and its two norms
         heads = 1 if self.tie_word_embeddings else 2
         return self.num_hidden_layers * layer + heads * self.vocab_size * self.hidden_size + self.hidden_size
 
