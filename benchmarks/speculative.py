@@ -1,6 +1,6 @@
 """N-gram speculative decoding on a summarisation workload: tokens/s with and without it, by batch size.
 
-    .venv/bin/python -m benchmarks.speculative [--batches 1 2 4 8] [--threads 2] [--repeats 2] [-k 4]
+    .venv/bin/python -m benchmarks.speculative [--batches 1 2 4 8] [--threads 2] [--repeats 2] [-k 6]
 
 Documents of 300-600 tokens, summaries of 96 tokens, greedy. The outputs of every run are compared with
 those of plain decoding: they must be identical where the steps verifying proposals have at most
@@ -89,7 +89,7 @@ def main() -> None:
     parser.add_argument("--documents", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("-k", "--num-speculative-tokens", type=int, default=6)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--quantization", default=None, help="our engine's (default: as the model declares)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))

@@ -159,3 +159,11 @@ def extend_through_amx(on: bool) -> bool:
     take its vdpbf16ps routine (off: tests run both on AMX CPUs). Returns whether it now runs on AMX."""
     fn = function("paged_extend_set_amx", i32, i32)
     return fn is not None and bool(fn(int(on)))
+
+
+def decode_through_amx(on: bool) -> bool:
+    """Lets the decode kernel run strips of query rows through AMX tiles where the CPU has them (on, the
+    default) or makes it take its vdpbf16ps routine (off: tests run both on AMX CPUs). Returns whether it now
+    runs on AMX."""
+    fn = function("paged_decode_set_amx", i32, i32)
+    return fn is not None and bool(fn(int(on)))

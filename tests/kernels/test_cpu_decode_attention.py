@@ -25,6 +25,16 @@ def device() -> str:
     return "cpu"
 
 
+@pytest.fixture(params=["amx", "vector"])
+def routine(request):
+    """The kernel's AMX routine (where the CPU has it) and its vector one."""
+    amx = request.param == "amx"
+    if cpu_attention.decode_through_amx(amx) != amx:
+        pytest.skip("no AMX here")
+    yield request.param
+    cpu_attention.decode_through_amx(True)
+
+
 def test_kernel_builds_here():
     """The suite's machine has a C compiler, so the engine tests run the native kernel, not the fallback."""
     assert kernels.cpu.available()
@@ -51,7 +61,7 @@ CASES = [
 
 @pytest.mark.parametrize(("seq_lens", "block_size", "head_dim", "num_heads", "num_kv_heads", "dtype"), CASES)
 def test_matches_pytorch_decode(
-    paged_kv, rand, assert_close, seq_lens, block_size, head_dim, num_heads, num_kv_heads, dtype
+    paged_kv, rand, assert_close, routine, seq_lens, block_size, head_dim, num_heads, num_kv_heads, dtype
 ):
     kv = paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype)
     # Queries as the model hands them over: a view into a wider per-token row (the fused qkv output).
@@ -71,7 +81,7 @@ def test_matches_pytorch_decode(
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_result_does_not_depend_on_thread_count(paged_kv, rand, threads):
+def test_result_does_not_depend_on_thread_count(paged_kv, rand, routine, threads):
     kv = paged_kv([50, 7, 300, 16], 16, 3, 64, BF16)
     q = rand(4, 9, 64, dtype=BF16)
     previous = torch.get_num_threads()
@@ -121,7 +131,7 @@ RUNS = [
     ("query_lens", "seq_lens", "block_size", "head_dim", "heads", "kv_heads", "dtype"), RUNS
 )
 def test_tokens_of_one_sequence_get_the_bits_they_get_alone(
-    paged_kv, rand, threads, query_lens, seq_lens, block_size, head_dim, heads, kv_heads, dtype
+    paged_kv, rand, routine, threads, query_lens, seq_lens, block_size, head_dim, heads, kv_heads, dtype
 ):
     """A sequence's tokens in one step (speculative drafts, short prefill chunks) each get exactly the bits
     they get as a step's only query, whatever shares the step and the threads: drafts verify as decoding

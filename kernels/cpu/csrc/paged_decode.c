@@ -276,6 +276,275 @@ static int attend_bf16_fast(const uint16_t *q, int group, int head_dim, int h0, 
 }
 #endif
 
+#if defined(HAVE_AVX512_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define HAVE_DECODE_AMX 1
+#include <omp.h>
+#include <stdlib.h>
+
+#include "amx.h"
+
+/* With AMX, a strip of up to 16 query rows of one KV head (a token's query heads, or those of several tokens
+ * of one sequence: a draft being verified) runs in three passes over its keys, whatever its row count:
+ *   1. S^T = K Q^T through tiles: the cache's key rows are the left operand as they lie (16 keys by 32
+ *      dimensions a tile load), the strip's queries, their dimension pairs transposed once, the right one; so
+ *      each key's scores come out as one vector, a lane per row;
+ *   2. in those vectors, each row's maximum over the keys it sees, then its probabilities (zero for keys it
+ *      does not see) and their running sum key by key, and the probabilities, rounded to bf16 as the other
+ *      routes round them, transposed into rows;
+ *   3. O = P V through tiles, over pairs of keys whose value rows are interleaved into the layout TDPBF16PS
+ *      takes (value rows past the strip's last key zeroed), the sums in tile registers over all keys.
+ * Every step is lane by lane or row by row, so a row gets the same bits whatever other rows share its strip:
+ * a draft's tokens verify as decoding alone would compute them. The vdpbf16ps routine reduces each key's
+ * sums across lanes and works one query head at a time, which on AMX CPUs costs several times more a row.
+ * Tiles, all 16 rows by 64 bytes: tmm4-7 hold the queries' dimension pairs for S (then O's four blocks of 16
+ * dimensions), tmm0-1 key tiles, tmm2-3 scores; for O, tmm0 a block of P (32 keys), tmm1-3 value blocks. */
+#define STRIP 16
+#define DIMS_A_PASS 64
+
+static int decode_amx = 1; /* tests turn it off to exercise the vdpbf16ps routine on AMX CPUs */
+
+static void configure_decode_tiles(void) {
+    struct tile_config config = {.palette = 1};
+    for (int t = 0; t < 8; t++) config.rows[t] = STRIP, config.bytes_per_row[t] = 64;
+    _tile_loadconfig(&config);
+}
+
+/* A thread's buffers for strips of up to `keys` keys (a multiple of 32) of head dim D. */
+struct strip_buffers {
+    float *scores;    /* [keys][16] */
+    uint16_t *probs;  /* [16][keys] */
+    uint16_t *values; /* [16 key pairs][D][2] */
+    uint32_t *pairs;  /* [D / 2][16]: the queries' dimension pairs */
+    float *obuf;      /* [16][64] */
+};
+
+/* Key `key`'s row of one KV head in the paged cache; from a multiple of 16, the next 15 keys' rows follow it at
+ * the cache's row stride (blocks hold a multiple of 16 keys). */
+static inline const uint16_t *key_rows(const uint16_t *cache, const int32_t *table, int key, int block_size,
+                                       int row_stride, long head) {
+    return cache + ((long)table[key / block_size] * block_size + key % block_size) * row_stride + head;
+}
+
+/* A 16 x 16 matrix of 32-bit elements transposed: row i's element j (lane j of r[i]) goes to lane i of r[j]. */
+static inline void transpose16(__m512i *r) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 16; i += 8)
+        for (int j = 0; j < 4; j++) {
+            t[i + j] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0x88);
+            t[i + j + 4] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0xdd);
+        }
+    for (int j = 0; j < 8; j++) {
+        r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+        r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+    }
+}
+
+/* One strip: rows[r] is row r's query (D bf16), lens[r] the keys it sees, outs[r] where its output goes. */
+static void strip_amx(const int D, int rows, const uint16_t *const *q, const int *lens, const int32_t *table,
+                      int block_size, int row_stride, long head, const uint16_t *k_cache, const uint16_t *v_cache,
+                      float scale, uint16_t *const *outs, const struct strip_buffers *b) {
+    int last = 0;
+    for (int r = 0; r < rows; r++) last = lens[r] > last ? lens[r] : last;
+    const int groups = (last + 15) / 16, width = (last + 31) / 32 * 32, pitch = 2 * width; /* P's, bytes */
+    for (int p = 0; p < D / 2; p++)
+        for (int r = 0; r < STRIP; r++) b->pairs[p * STRIP + r] = r < rows ? ((const uint32_t *)q[r])[p] : 0;
+    _tile_loadd(4, b->pairs, 64);
+    _tile_loadd(5, b->pairs + 16 * STRIP, 64);
+    if (D == 128) {
+        _tile_loadd(6, b->pairs + 32 * STRIP, 64);
+        _tile_loadd(7, b->pairs + 48 * STRIP, 64);
+    }
+    /* 1. scores, a key a row of 16 lanes */
+    for (int j = 0; j < groups; j++) {
+        const uint16_t *k = key_rows(k_cache, table, 16 * j, block_size, row_stride, head);
+        long stride = 2L * row_stride;
+        if (j % 2 == 0) {
+            _tile_zero(2);
+            _tile_loadd(0, k, stride);
+            _tile_dpbf16ps(2, 0, 4);
+            _tile_loadd(1, k + 32, stride);
+            _tile_dpbf16ps(2, 1, 5);
+            if (D == 128) {
+                _tile_loadd(0, k + 64, stride);
+                _tile_dpbf16ps(2, 0, 6);
+                _tile_loadd(1, k + 96, stride);
+                _tile_dpbf16ps(2, 1, 7);
+            }
+            _tile_stored(2, b->scores + 16L * 16 * j, 64);
+        } else {
+            _tile_zero(3);
+            _tile_loadd(0, k, stride);
+            _tile_dpbf16ps(3, 0, 4);
+            _tile_loadd(1, k + 32, stride);
+            _tile_dpbf16ps(3, 1, 5);
+            if (D == 128) {
+                _tile_loadd(0, k + 64, stride);
+                _tile_dpbf16ps(3, 0, 6);
+                _tile_loadd(1, k + 96, stride);
+                _tile_dpbf16ps(3, 1, 7);
+            }
+            _tile_stored(3, b->scores + 16L * 16 * j, 64);
+        }
+    }
+    /* 2. each row's maximum over the keys it sees, its probabilities and their sum, key by key */
+    __m512i seen = _mm512_maskz_loadu_epi32(first_lanes(rows), lens);
+    __m512 k = _mm512_set1_ps(scale), top = _mm512_set1_ps(-FLT_MAX), sum = _mm512_setzero_ps();
+    for (int key = 0; key < last; key++) {
+        __mmask16 lanes = _mm512_cmpgt_epi32_mask(seen, _mm512_set1_epi32(key));
+        top = _mm512_mask_max_ps(top, lanes, top, _mm512_mul_ps(_mm512_load_ps(b->scores + 16L * key), k));
+    }
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                                22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    for (int c = 0; c < width; c += 32) { /* 32 keys: 16 pairs of keys, a row's pair a lane, then a row a vector */
+        __m512i pairs[16];
+        for (int kp = 0; kp < 16; kp++) {
+            __m512 e[2];
+            for (int i = 0; i < 2; i++) {
+                int key = c + 2 * kp + i;
+                __mmask16 lanes = _mm512_cmpgt_epi32_mask(seen, _mm512_set1_epi32(key));
+                e[i] = key < last ? _mm512_mul_ps(_mm512_load_ps(b->scores + 16L * key), k) : top;
+                e[i] = _mm512_maskz_mov_ps(lanes, exp512_nonpositive(_mm512_sub_ps(e[i], top)));
+                sum = _mm512_add_ps(sum, e[i]);
+            }
+            pairs[kp] = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));
+        }
+        transpose16(pairs);
+        for (int r = 0; r < rows; r++) _mm512_storeu_si512((char *)b->probs + (long)r * pitch + 2L * c, pairs[r]);
+    }
+    /* 3. O = P V, 64 dimensions a pass */
+    const __m512i low = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                         37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+    for (int d0 = 0; d0 < D; d0 += DIMS_A_PASS) {
+        _tile_zero(4);
+        _tile_zero(5);
+        _tile_zero(6);
+        _tile_zero(7);
+        for (int c = 0; c < width; c += 32) {
+            const uint16_t *group_rows[2]; /* each 16 keys' value rows (one block's, consecutive) */
+            for (int g = 0; g < 2; g++)
+                group_rows[g] = c + 16 * g < last ? key_rows(v_cache, table, c + 16 * g, block_size, row_stride, head) + d0 : 0;
+            for (int kp = 0; kp < 16; kp++) {
+                int key = c + 2 * kp;
+                __m512i v[2][2]; /* key, 32 dimensions */
+                for (int i = 0; i < 2; i++) {
+                    const uint16_t *row = key + i < last ? group_rows[kp / 8] + (long)(2 * kp % 16 + i) * row_stride : 0;
+                    v[i][0] = row ? _mm512_loadu_si512(row) : _mm512_setzero_si512();
+                    v[i][1] = row ? _mm512_loadu_si512(row + 32) : _mm512_setzero_si512();
+                }
+                uint16_t *dst = b->values + kp * 2 * DIMS_A_PASS;
+                for (int h = 0; h < 2; h++) { /* dims 32h..32h+15, then 32h+16..32h+31 */
+                    _mm512_store_si512(dst + 64 * h, _mm512_permutex2var_epi16(v[0][h], low, v[1][h]));
+                    _mm512_store_si512(dst + 64 * h + 32, _mm512_permutex2var_epi16(v[0][h], high, v[1][h]));
+                }
+            }
+            _tile_loadd(0, (const char *)b->probs + 2L * c, pitch);
+            _tile_loadd(1, b->values, 4 * DIMS_A_PASS);
+            _tile_dpbf16ps(4, 0, 1);
+            _tile_loadd(2, b->values + 32, 4 * DIMS_A_PASS);
+            _tile_dpbf16ps(5, 0, 2);
+            _tile_loadd(3, b->values + 64, 4 * DIMS_A_PASS);
+            _tile_dpbf16ps(6, 0, 3);
+            _tile_loadd(1, b->values + 96, 4 * DIMS_A_PASS);
+            _tile_dpbf16ps(7, 0, 1);
+        }
+        _tile_stored(4, b->obuf, 4 * DIMS_A_PASS);
+        _tile_stored(5, b->obuf + 16, 4 * DIMS_A_PASS);
+        _tile_stored(6, b->obuf + 32, 4 * DIMS_A_PASS);
+        _tile_stored(7, b->obuf + 48, 4 * DIMS_A_PASS);
+        float sums[STRIP];
+        _mm512_storeu_ps(sums, sum);
+        for (int r = 0; r < rows; r++) {
+            __m512 inv = _mm512_set1_ps(1.f / sums[r]);
+            for (int i = 0; i < DIMS_A_PASS / 16; i++)
+                _mm256_storeu_si256((__m256i *)(outs[r] + d0 + 16 * i),
+                                    bf16_from_512(_mm512_mul_ps(_mm512_load_ps(b->obuf + r * DIMS_A_PASS + 16 * i), inv)));
+        }
+    }
+}
+/* paged_decode through AMX strips. The tokens of a step that follow each other with the same block table are one
+ * sequence's (a draft being verified, a short prompt chunk): a task is such a run's rows for one KV head, 16
+ * at a time, so the run reads its keys once a strip rather than once a token. Returns 0, or -2 without
+ * memory for the buffers. */
+static int paged_decode_amx(const uint16_t *q, long q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                            const int32_t *tables, int max_blocks, const int32_t *seq_lens, uint16_t *out, int batch,
+                            int heads, int kv_heads, int D, int block_size, float scale, int num_threads) {
+    int group = heads / kv_heads, row_stride = kv_heads * D, runs = 0, longest = 0;
+    int *first = malloc(sizeof(int) * (batch + 1));
+    if (!first) return -2;
+    for (int b = 0; b < batch; b++) {
+        longest = seq_lens[b] > longest ? seq_lens[b] : longest;
+        if (b == 0 || memcmp(tables + (long)b * max_blocks, tables + (long)(b - 1) * max_blocks,
+                             sizeof(int32_t) * max_blocks) != 0)
+            first[runs++] = b;
+    }
+    first[runs] = batch;
+    int strips = 0; /* per KV head: each run's rows, STRIP at a time */
+    for (int r = 0; r < runs; r++) strips += ((first[r + 1] - first[r]) * group + STRIP - 1) / STRIP;
+    int *strip_run = malloc(sizeof(int) * strips * 2), failed = 0;
+    if (!strip_run) {
+        free(first);
+        return -2;
+    }
+    for (int r = 0, i = 0; r < runs; r++)
+        for (int row = 0; row < (first[r + 1] - first[r]) * group; row += STRIP, i++)
+            strip_run[2 * i] = r, strip_run[2 * i + 1] = row;
+    long keys = (longest + 31) / 32 * 32;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        struct strip_buffers b = {aligned_alloc(64, sizeof(float) * keys * STRIP),
+                                  aligned_alloc(64, sizeof(uint16_t) * STRIP * keys),
+                                  aligned_alloc(64, sizeof(uint16_t) * 16 * 2 * DIMS_A_PASS),
+                                  aligned_alloc(64, sizeof(uint32_t) * D / 2 * STRIP),
+                                  aligned_alloc(64, sizeof(float) * STRIP * DIMS_A_PASS)};
+        failed = !b.scores || !b.probs || !b.values || !b.pairs || !b.obuf;
+        if (!failed) configure_decode_tiles();
+#pragma omp for schedule(dynamic, 1)
+        for (int task = 0; task < strips * kv_heads; task++) {
+            if (failed) continue;
+            int h = task % kv_heads, i = task / kv_heads, r = strip_run[2 * i], row0 = strip_run[2 * i + 1];
+            int tokens = first[r + 1] - first[r], rows = tokens * group - row0 < STRIP ? tokens * group - row0 : STRIP;
+            const uint16_t *rq[STRIP];
+            uint16_t *ro[STRIP];
+            int lens[STRIP];
+            for (int j = 0; j < rows; j++) {
+                int token = first[r] + (row0 + j) / group, head = h * group + (row0 + j) % group;
+                rq[j] = q + token * q_stride + (long)head * D;
+                ro[j] = out + ((long)token * heads + head) * D;
+                lens[j] = seq_lens[token];
+            }
+            strip_amx(D, rows, rq, lens, tables + (long)first[r] * max_blocks, block_size, row_stride, (long)h * D,
+                      k_cache, v_cache, scale, ro, &b);
+        }
+        if (!failed) _tile_release(); /* a thread holding tile state costs every context switch 8 KB more */
+        free(b.scores), free(b.probs), free(b.values), free(b.pairs), free(b.obuf);
+    }
+    free(first);
+    free(strip_run);
+    return failed ? -2 : 0;
+}
+
+int paged_decode_set_amx(int on) {
+    decode_amx = on;
+    return on && amx_permitted();
+}
+#else
+int paged_decode_set_amx(int on) {
+    (void)on;
+    return 0;
+}
+#endif
+
 /* One KV head of one sequence through the generic loops: fp32 caches, or shapes without a fast path. */
 static void attend_generic(const void *q, const void *k_cache, const void *v_cache, const int32_t *table, int len,
                            int group, int head_dim, int block_size, int row_stride, int is_bf16, float scale,
@@ -310,6 +579,12 @@ int paged_decode(const void *q, long q_stride, const void *k_cache, const void *
     int group = heads / kv_heads;
     if (head_dim > MAX_HEAD_DIM || group > MAX_GROUP || block_size > MAX_BLOCK) return -1;
     int row_stride = kv_heads * head_dim, size = is_bf16 ? 2 : 4;
+#ifdef HAVE_DECODE_AMX
+    if (decode_amx && is_bf16 && (head_dim == 64 || head_dim == 128) && block_size % 16 == 0 && amx_permitted() &&
+        paged_decode_amx(q, q_stride, k_cache, v_cache, block_tables, max_blocks, seq_lens, out, batch, heads,
+                         kv_heads, head_dim, block_size, scale, num_threads) == 0)
+        return 0;
+#endif
     /* With enough sequences to keep every thread busy, a task is a whole sequence, all its KV heads on
      * one core (see attend_avx512); with fewer, one KV head, so a single sequence still uses several. */
     int heads_per_task = batch >= 2 * num_threads ? kv_heads : 1, tasks_per_seq = kv_heads / heads_per_task;
