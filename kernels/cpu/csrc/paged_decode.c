@@ -313,7 +313,7 @@ static void configure_decode_tiles(void) {
 struct strip_buffers {
     float *scores;    /* [keys][16] */
     uint16_t *probs;  /* [16][keys] */
-    uint16_t *values; /* [16 key pairs][D][2] */
+    uint16_t *values; /* two chunks' value pairs, VALUE_PAIRS each */
     uint32_t *pairs;  /* [D / 2][16]: the queries' dimension pairs */
     float *obuf;      /* [16][64] */
 };
@@ -349,6 +349,52 @@ static inline void transpose16(__m512i *r) {
     }
 }
 
+/* Scores of 16 keys (their rows from `keys`, `stride` bytes apart) against the queries in tiles 4.., into tile
+ * S and then `out`, [16 keys][16 rows]. */
+#define SCORE_GROUP(S, D, keys, stride, out)                                                                 \
+    do {                                                                                                     \
+        _tile_zero(S);                                                                                       \
+        _tile_loadd(0, keys, stride);                                                                        \
+        _tile_dpbf16ps(S, 0, 4);                                                                             \
+        _tile_loadd(1, (keys) + 32, stride);                                                                 \
+        _tile_dpbf16ps(S, 1, 5);                                                                             \
+        if ((D) == 128) {                                                                                    \
+            _tile_loadd(0, (keys) + 64, stride);                                                             \
+            _tile_dpbf16ps(S, 0, 6);                                                                         \
+            _tile_loadd(1, (keys) + 96, stride);                                                             \
+            _tile_dpbf16ps(S, 1, 7);                                                                         \
+        }                                                                                                    \
+        _tile_stored(S, out, 64);                                                                            \
+    } while (0)
+
+/* The value rows of keys c..c+31 (64 of their dimensions from `head`) as TDPBF16PS's right operand: 16 pairs of
+ * keys, a pair's 64 dimensions side by side, each dimension's two values together; keys from `last` on are
+ * zero (their probabilities are, and a stale row must not make 0 * NaN). */
+#define VALUE_PAIRS (16 * 2 * DIMS_A_PASS)
+static void value_pairs(const uint16_t *v_cache, const int32_t *table, int c, int last, int block_size,
+                        int row_stride, long head, uint16_t *out) {
+    const __m512i low = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                         37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+    const uint16_t *group_rows[2]; /* each 16 keys' rows: one block's, consecutive */
+    for (int g = 0; g < 2; g++)
+        group_rows[g] = c + 16 * g < last ? key_rows(v_cache, table, c + 16 * g, block_size, row_stride, head) : 0;
+    for (int kp = 0; kp < 16; kp++) {
+        __m512i v[2][2]; /* key, 32 dimensions */
+        for (int i = 0; i < 2; i++) {
+            int key = c + 2 * kp + i;
+            const uint16_t *row = key < last ? group_rows[kp / 8] + (long)(key % 16) * row_stride : 0;
+            v[i][0] = row ? _mm512_loadu_si512(row) : _mm512_setzero_si512();
+            v[i][1] = row ? _mm512_loadu_si512(row + 32) : _mm512_setzero_si512();
+        }
+        uint16_t *dst = out + kp * 2 * DIMS_A_PASS;
+        for (int h = 0; h < 2; h++) { /* dims 32h..32h+15, then 32h+16..32h+31 */
+            _mm512_store_si512(dst + 64 * h, _mm512_permutex2var_epi16(v[0][h], low, v[1][h]));
+            _mm512_store_si512(dst + 64 * h + 32, _mm512_permutex2var_epi16(v[0][h], high, v[1][h]));
+        }
+    }
+}
+
 /* One strip: rows[r] is row r's query (D bf16), lens[r] the keys it sees, outs[r] where its output goes. */
 static void strip_amx(const int D, int rows, const uint16_t *const *q, const int *lens, const int32_t *table,
                       int block_size, int row_stride, long head, const uint16_t *k_cache, const uint16_t *v_cache,
@@ -364,45 +410,32 @@ static void strip_amx(const int D, int rows, const uint16_t *const *q, const int
         _tile_loadd(6, b->pairs + 32 * STRIP, 64);
         _tile_loadd(7, b->pairs + 48 * STRIP, 64);
     }
-    /* 1. scores, a key a row of 16 lanes */
-    for (int j = 0; j < groups; j++) {
-        const uint16_t *k = key_rows(k_cache, table, 16 * j, block_size, row_stride, head);
-        long stride = 2L * row_stride;
-        if (j % 2 == 0) {
-            _tile_zero(2);
-            _tile_loadd(0, k, stride);
-            _tile_dpbf16ps(2, 0, 4);
-            _tile_loadd(1, k + 32, stride);
-            _tile_dpbf16ps(2, 1, 5);
-            if (D == 128) {
-                _tile_loadd(0, k + 64, stride);
-                _tile_dpbf16ps(2, 0, 6);
-                _tile_loadd(1, k + 96, stride);
-                _tile_dpbf16ps(2, 1, 7);
-            }
-            _tile_stored(2, b->scores + 16L * 16 * j, 64);
-        } else {
-            _tile_zero(3);
-            _tile_loadd(0, k, stride);
-            _tile_dpbf16ps(3, 0, 4);
-            _tile_loadd(1, k + 32, stride);
-            _tile_dpbf16ps(3, 1, 5);
-            if (D == 128) {
-                _tile_loadd(0, k + 64, stride);
-                _tile_dpbf16ps(3, 0, 6);
-                _tile_loadd(1, k + 96, stride);
-                _tile_dpbf16ps(3, 1, 7);
-            }
-            _tile_stored(3, b->scores + 16L * 16 * j, 64);
-        }
-    }
-    /* 2. each row's maximum over the keys it sees, its probabilities and their sum, key by key */
+    /* 1. scores, a key a row of 16 lanes; each group's maxima are taken while the next group multiplies */
     __m512i seen = _mm512_maskz_loadu_epi32(first_lanes(rows), lens);
     __m512 k = _mm512_set1_ps(scale), top = _mm512_set1_ps(-FLT_MAX), sum = _mm512_setzero_ps();
-    for (int key = 0; key < last; key++) {
-        __mmask16 lanes = _mm512_cmpgt_epi32_mask(seen, _mm512_set1_epi32(key));
-        top = _mm512_mask_max_ps(top, lanes, top, _mm512_mul_ps(_mm512_load_ps(b->scores + 16L * key), k));
+    for (int j = 0; j <= groups; j++) {
+        if (j + 1 < groups) { /* the next group's key rows into L1, its value rows into L2 for pass 3 */
+            const uint16_t *keys = key_rows(k_cache, table, 16 * (j + 1), block_size, row_stride, head);
+            const uint16_t *values = key_rows(v_cache, table, 16 * (j + 1), block_size, row_stride, head);
+            for (int r = 0; r < 16; r++)
+                for (int line = 0; line < 2 * D; line += 64) {
+                    _mm_prefetch((const char *)(keys + (long)r * row_stride) + line, _MM_HINT_T0);
+                    _mm_prefetch((const char *)(values + (long)r * row_stride) + line, _MM_HINT_T1);
+                }
+        }
+        if (j < groups) {
+            const uint16_t *keys = key_rows(k_cache, table, 16 * j, block_size, row_stride, head);
+            if (j % 2 == 0)
+                SCORE_GROUP(2, D, keys, 2L * row_stride, b->scores + 16L * 16 * j);
+            else
+                SCORE_GROUP(3, D, keys, 2L * row_stride, b->scores + 16L * 16 * j);
+        }
+        for (int key = 16 * (j - 1); j > 0 && key < 16 * j && key < last; key++) {
+            __mmask16 lanes = _mm512_cmpgt_epi32_mask(seen, _mm512_set1_epi32(key));
+            top = _mm512_mask_max_ps(top, lanes, top, _mm512_mul_ps(_mm512_load_ps(b->scores + 16L * key), k));
+        }
     }
+    /* 2. each row's probabilities and their sum, key by key */
     const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
                                                 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     for (int c = 0; c < width; c += 32) { /* 32 keys: 16 pairs of keys, a row's pair a lane, then a row a vector */
@@ -421,42 +454,27 @@ static void strip_amx(const int D, int rows, const uint16_t *const *q, const int
         transpose16(pairs);
         for (int r = 0; r < rows; r++) _mm512_storeu_si512((char *)b->probs + (long)r * pitch + 2L * c, pairs[r]);
     }
-    /* 3. O = P V, 64 dimensions a pass */
-    const __m512i low = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
-                                         37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-    const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+    /* 3. O = P V, 64 dimensions a pass; each chunk's value pairs are laid out while the chunk before multiplies */
     for (int d0 = 0; d0 < D; d0 += DIMS_A_PASS) {
         _tile_zero(4);
         _tile_zero(5);
         _tile_zero(6);
         _tile_zero(7);
+        value_pairs(v_cache, table, 0, last, block_size, row_stride, head + d0, b->values);
         for (int c = 0; c < width; c += 32) {
-            const uint16_t *group_rows[2]; /* each 16 keys' value rows (one block's, consecutive) */
-            for (int g = 0; g < 2; g++)
-                group_rows[g] = c + 16 * g < last ? key_rows(v_cache, table, c + 16 * g, block_size, row_stride, head) + d0 : 0;
-            for (int kp = 0; kp < 16; kp++) {
-                int key = c + 2 * kp;
-                __m512i v[2][2]; /* key, 32 dimensions */
-                for (int i = 0; i < 2; i++) {
-                    const uint16_t *row = key + i < last ? group_rows[kp / 8] + (long)(2 * kp % 16 + i) * row_stride : 0;
-                    v[i][0] = row ? _mm512_loadu_si512(row) : _mm512_setzero_si512();
-                    v[i][1] = row ? _mm512_loadu_si512(row + 32) : _mm512_setzero_si512();
-                }
-                uint16_t *dst = b->values + kp * 2 * DIMS_A_PASS;
-                for (int h = 0; h < 2; h++) { /* dims 32h..32h+15, then 32h+16..32h+31 */
-                    _mm512_store_si512(dst + 64 * h, _mm512_permutex2var_epi16(v[0][h], low, v[1][h]));
-                    _mm512_store_si512(dst + 64 * h + 32, _mm512_permutex2var_epi16(v[0][h], high, v[1][h]));
-                }
-            }
+            const uint16_t *values = b->values + (c / 32 % 2) * VALUE_PAIRS;
             _tile_loadd(0, (const char *)b->probs + 2L * c, pitch);
-            _tile_loadd(1, b->values, 4 * DIMS_A_PASS);
+            _tile_loadd(1, values, 4 * DIMS_A_PASS);
             _tile_dpbf16ps(4, 0, 1);
-            _tile_loadd(2, b->values + 32, 4 * DIMS_A_PASS);
+            _tile_loadd(2, values + 32, 4 * DIMS_A_PASS);
             _tile_dpbf16ps(5, 0, 2);
-            _tile_loadd(3, b->values + 64, 4 * DIMS_A_PASS);
+            _tile_loadd(3, values + 64, 4 * DIMS_A_PASS);
             _tile_dpbf16ps(6, 0, 3);
-            _tile_loadd(1, b->values + 96, 4 * DIMS_A_PASS);
+            _tile_loadd(1, values + 96, 4 * DIMS_A_PASS);
             _tile_dpbf16ps(7, 0, 1);
+            if (c + 32 < width)
+                value_pairs(v_cache, table, c + 32, last, block_size, row_stride, head + d0,
+                            b->values + (c / 32 + 1) % 2 * VALUE_PAIRS);
         }
         _tile_stored(4, b->obuf, 4 * DIMS_A_PASS);
         _tile_stored(5, b->obuf + 16, 4 * DIMS_A_PASS);
@@ -502,12 +520,19 @@ static int paged_decode_amx(const uint16_t *q, long q_stride, const uint16_t *k_
     long keys = (longest + 31) / 32 * 32;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
-        struct strip_buffers b = {aligned_alloc(64, sizeof(float) * keys * STRIP),
-                                  aligned_alloc(64, sizeof(uint16_t) * STRIP * keys),
-                                  aligned_alloc(64, sizeof(uint16_t) * 16 * 2 * DIMS_A_PASS),
-                                  aligned_alloc(64, sizeof(uint32_t) * D / 2 * STRIP),
-                                  aligned_alloc(64, sizeof(float) * STRIP * DIMS_A_PASS)};
-        failed = !b.scores || !b.probs || !b.values || !b.pairs || !b.obuf;
+        /* one allocation a thread, each part a multiple of 64 bytes (keys is a multiple of 32) */
+        long parts[] = {sizeof(float) * keys * STRIP, sizeof(uint16_t) * STRIP * keys, sizeof(uint16_t) * 2 * VALUE_PAIRS,
+                        sizeof(uint32_t) * D / 2 * STRIP, sizeof(float) * STRIP * DIMS_A_PASS};
+        char *buffer = aligned_alloc(64, parts[0] + parts[1] + parts[2] + parts[3] + parts[4]);
+        struct strip_buffers b = {0};
+        failed = !buffer;
+        if (buffer) {
+            b.scores = (float *)buffer;
+            b.probs = (uint16_t *)(buffer + parts[0]);
+            b.values = (uint16_t *)(buffer + parts[0] + parts[1]);
+            b.pairs = (uint32_t *)(buffer + parts[0] + parts[1] + parts[2]);
+            b.obuf = (float *)(buffer + parts[0] + parts[1] + parts[2] + parts[3]);
+        }
         if (!failed) configure_decode_tiles();
 #pragma omp for schedule(dynamic, 1)
         for (int task = 0; task < strips * kv_heads; task++) {
@@ -527,7 +552,7 @@ static int paged_decode_amx(const uint16_t *q, long q_stride, const uint16_t *k_
                       k_cache, v_cache, scale, ro, &b);
         }
         if (!failed) _tile_release(); /* a thread holding tile state costs every context switch 8 KB more */
-        free(b.scores), free(b.probs), free(b.values), free(b.pairs), free(b.obuf);
+        free(buffer);
     }
     free(first);
     free(strip_run);
