@@ -54,6 +54,7 @@ CASES = [
     ([20, 33], 16, 64, 24, 2, BF16),
     ([61, 5], 32, 80, 6, 2, F32),
     ([600, 1000], 16, 64, 9, 3, BF16),
+    ([2050, 30], 16, 128, 8, 2, BF16),
     (random.Random(2).choices(range(1, 400), k=24), 16, 64, 9, 3, BF16),
     (random.Random(3).choices(range(1, 300), k=7), 32, 128, 28, 4, F32),
 ]
@@ -117,6 +118,7 @@ def step_metadata(seq_lens, query_lens, block_tables, slots=None):
 # prefill chunks) starting and ending inside blocks and across their ends.
 RUNS = [
     ([5], [451], 16, 64, 9, 3, BF16),
+    ([5], [2050], 16, 64, 9, 3, BF16),  # three within the AMX routine's 2048 keys, two past
     ([5], [20], 16, 64, 9, 3, BF16),
     ([3, 1, 9], [33, 40, 18], 16, 64, 9, 3, BF16),
     ([17], [17], 16, 128, 8, 2, BF16),

@@ -3,7 +3,8 @@
  * Reads K/V in place through the block table (no gather into a padded copy, no work on padding) and
  * handles the query heads that share a KV head together, so each cached row is loaded and converted
  * once per step. Softmax is online, block by block, so no buffer grows with the context length.
- * Accumulation is in fp32 whatever the cache dtype.
+ * Accumulation is in fp32 whatever the cache dtype. Where the CPU has AMX, bf16 caches of head dim 64 or 128
+ * go through tiles instead (paged_decode_amx), a sequence's consecutive tokens in one step together.
  *
  * Built at run time by kernels/cpu/_build.py with -O3 -march=native, so the plain
  * loops below are vectorised for the machine at hand. Layouts (all contiguous except q's row stride):
@@ -300,6 +301,14 @@ static int attend_bf16_fast(const uint16_t *q, int group, int head_dim, int h0, 
  * dimensions), tmm0-1 key tiles, tmm2-3 scores; for O, tmm0 a block of P (32 keys), tmm1-3 value blocks. */
 #define STRIP 16
 #define DIMS_A_PASS 64
+#define AHEAD 4 /* groups of 16 keys ahead that the rows are asked for */
+/* Rows that see more keys than this take the vdpbf16ps routine: each pass's buffers then outgrow L2 and its three
+ * passes reread them, which costs a lone token's rows more than the vector routine's single pass. */
+#define AMX_MAX_KEYS 2048
+/* Nor do steps of more tokens than SAME_BITS_ROWS (kernels/cpu/linear.py), where rows need not get the bits they get
+ * alone: there most tokens are other sequences' lone ones, whose three rows a KV head the vector routine serves
+ * faster, all of a sequence's heads block by block. */
+#define AMX_MAX_TOKENS 20
 
 static int decode_amx = 1; /* tests turn it off to exercise the vdpbf16ps routine on AMX CPUs */
 
@@ -414,12 +423,12 @@ static void strip_amx(const int D, int rows, const uint16_t *const *q, const int
     __m512i seen = _mm512_maskz_loadu_epi32(first_lanes(rows), lens);
     __m512 k = _mm512_set1_ps(scale), top = _mm512_set1_ps(-FLT_MAX), sum = _mm512_setzero_ps();
     for (int j = 0; j <= groups; j++) {
-        if (j + 1 < groups) { /* the next group's key rows into L1, its value rows into L2 for pass 3 */
-            const uint16_t *keys = key_rows(k_cache, table, 16 * (j + 1), block_size, row_stride, head);
-            const uint16_t *values = key_rows(v_cache, table, 16 * (j + 1), block_size, row_stride, head);
+        if (j + AHEAD < groups) { /* a later group's key and value rows (for pass 3) into L2 */
+            const uint16_t *keys = key_rows(k_cache, table, 16 * (j + AHEAD), block_size, row_stride, head);
+            const uint16_t *values = key_rows(v_cache, table, 16 * (j + AHEAD), block_size, row_stride, head);
             for (int r = 0; r < 16; r++)
                 for (int line = 0; line < 2 * D; line += 64) {
-                    _mm_prefetch((const char *)(keys + (long)r * row_stride) + line, _MM_HINT_T0);
+                    _mm_prefetch((const char *)(keys + (long)r * row_stride) + line, _MM_HINT_T1);
                     _mm_prefetch((const char *)(values + (long)r * row_stride) + line, _MM_HINT_T1);
                 }
         }
@@ -490,32 +499,34 @@ static void strip_amx(const int D, int rows, const uint16_t *const *q, const int
         }
     }
 }
-/* paged_decode through AMX strips. The tokens of a step that follow each other with the same block table are one
- * sequence's (a draft being verified, a short prompt chunk): a task is such a run's rows for one KV head, 16
- * at a time, so the run reads its keys once a strip rather than once a token. Returns 0, or -2 without
- * memory for the buffers. */
+
+/* paged_decode through AMX strips for the tokens that see at most AMX_MAX_KEYS keys. The tokens of a step that
+ * follow each other with the same block table are one sequence's (a draft being verified, a short prompt chunk):
+ * a task is such a run's rows for one KV head, 16 at a time, so the run reads its keys once a strip rather than
+ * once a token. Returns 0, or -2 without memory for the buffers. */
 static int paged_decode_amx(const uint16_t *q, long q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                             const int32_t *tables, int max_blocks, const int32_t *seq_lens, uint16_t *out, int batch,
                             int heads, int kv_heads, int D, int block_size, float scale, int num_threads) {
     int group = heads / kv_heads, row_stride = kv_heads * D, runs = 0, longest = 0;
-    int *first = malloc(sizeof(int) * (batch + 1));
+    int *first = malloc(sizeof(int) * 2 * (batch + 1)), *end = first + batch + 1; /* run r: tokens [first, end) */
     if (!first) return -2;
     for (int b = 0; b < batch; b++) {
+        if (seq_lens[b] > AMX_MAX_KEYS) continue;
         longest = seq_lens[b] > longest ? seq_lens[b] : longest;
-        if (b == 0 || memcmp(tables + (long)b * max_blocks, tables + (long)(b - 1) * max_blocks,
-                             sizeof(int32_t) * max_blocks) != 0)
+        if (runs == 0 || end[runs - 1] != b ||
+            memcmp(tables + (long)b * max_blocks, tables + (long)(b - 1) * max_blocks, sizeof(int32_t) * max_blocks))
             first[runs++] = b;
+        end[runs - 1] = b + 1;
     }
-    first[runs] = batch;
     int strips = 0; /* per KV head: each run's rows, STRIP at a time */
-    for (int r = 0; r < runs; r++) strips += ((first[r + 1] - first[r]) * group + STRIP - 1) / STRIP;
+    for (int r = 0; r < runs; r++) strips += ((end[r] - first[r]) * group + STRIP - 1) / STRIP;
     int *strip_run = malloc(sizeof(int) * strips * 2), failed = 0;
     if (!strip_run) {
         free(first);
         return -2;
     }
     for (int r = 0, i = 0; r < runs; r++)
-        for (int row = 0; row < (first[r + 1] - first[r]) * group; row += STRIP, i++)
+        for (int row = 0; row < (end[r] - first[r]) * group; row += STRIP, i++)
             strip_run[2 * i] = r, strip_run[2 * i + 1] = row;
     long keys = (longest + 31) / 32 * 32;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
@@ -538,7 +549,7 @@ static int paged_decode_amx(const uint16_t *q, long q_stride, const uint16_t *k_
         for (int task = 0; task < strips * kv_heads; task++) {
             if (failed) continue;
             int h = task % kv_heads, i = task / kv_heads, r = strip_run[2 * i], row0 = strip_run[2 * i + 1];
-            int tokens = first[r + 1] - first[r], rows = tokens * group - row0 < STRIP ? tokens * group - row0 : STRIP;
+            int tokens = end[r] - first[r], rows = tokens * group - row0 < STRIP ? tokens * group - row0 : STRIP;
             const uint16_t *rq[STRIP];
             uint16_t *ro[STRIP];
             int lens[STRIP];
@@ -604,11 +615,13 @@ int paged_decode(const void *q, long q_stride, const void *k_cache, const void *
     int group = heads / kv_heads;
     if (head_dim > MAX_HEAD_DIM || group > MAX_GROUP || block_size > MAX_BLOCK) return -1;
     int row_stride = kv_heads * head_dim, size = is_bf16 ? 2 : 4;
+    int amx_keys = 0; /* tokens that see at most this many keys went through AMX */
 #ifdef HAVE_DECODE_AMX
-    if (decode_amx && is_bf16 && (head_dim == 64 || head_dim == 128) && block_size % 16 == 0 && amx_permitted() &&
+    if (decode_amx && is_bf16 && (head_dim == 64 || head_dim == 128) && block_size % 16 == 0 &&
+        batch <= AMX_MAX_TOKENS && amx_permitted() &&
         paged_decode_amx(q, q_stride, k_cache, v_cache, block_tables, max_blocks, seq_lens, out, batch, heads,
                          kv_heads, head_dim, block_size, scale, num_threads) == 0)
-        return 0;
+        amx_keys = AMX_MAX_KEYS;
 #endif
     /* With enough sequences to keep every thread busy, a task is a whole sequence, all its KV heads on
      * one core (see attend_avx512); with fewer, one KV head, so a single sequence still uses several. */
@@ -616,6 +629,7 @@ int paged_decode(const void *q, long q_stride, const void *k_cache, const void *
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int task = 0; task < batch * tasks_per_seq; task++) {
         int b = task / tasks_per_seq, h0 = task % tasks_per_seq * heads_per_task;
+        if (seq_lens[b] <= amx_keys) continue;
         const char *q_seq = (const char *)q + (long)b * q_stride * size;
         char *out_seq = (char *)out + (long)b * heads * head_dim * size;
         const int32_t *table = block_tables + (long)b * max_blocks;
