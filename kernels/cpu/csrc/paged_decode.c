@@ -404,6 +404,13 @@ static void value_pairs(const uint16_t *v_cache, const int32_t *table, int c, in
     }
 }
 
+/* Keys `key` and `key` + 1's scores of rows 0-7 as one vector (lanes 8i + r), zero for keys from `last` on. */
+static inline __m512 two_keys(const float *scores, int key, int last) {
+    __m256 first = _mm256_maskz_loadu_ps(key < last ? 0xff : 0, scores + 16L * key);
+    __m256 next = _mm256_maskz_loadu_ps(key + 1 < last ? 0xff : 0, scores + 16L * (key + 1));
+    return _mm512_insertf32x8(_mm512_castps256_ps512(first), next, 1);
+}
+
 /* One strip: rows[r] is row r's query (D bf16), lens[r] the keys it sees, outs[r] where its output goes. */
 static void strip_amx(const int D, int rows, const uint16_t *const *q, const int *lens, const int32_t *table,
                       int block_size, int row_stride, long head, const uint16_t *k_cache, const uint16_t *v_cache,
@@ -419,9 +426,15 @@ static void strip_amx(const int D, int rows, const uint16_t *const *q, const int
         _tile_loadd(6, b->pairs + 32 * STRIP, 64);
         _tile_loadd(7, b->pairs + 48 * STRIP, 64);
     }
-    /* 1. scores, a key a row of 16 lanes; each group's maxima are taken while the next group multiplies */
+    /* 1. scores, a key a row of 16 lanes; each group's maxima are taken while the next group multiplies. A
+     * strip of up to 8 rows takes two keys a vector (lanes 8i + r: key k + i, row r) for its softmax. */
+    const int packed = rows <= 8;
     __m512i seen = _mm512_maskz_loadu_epi32(first_lanes(rows), lens);
-    __m512 k = _mm512_set1_ps(scale), top = _mm512_set1_ps(-FLT_MAX), sum = _mm512_setzero_ps();
+    if (packed) seen = _mm512_inserti64x4(seen, _mm512_castsi512_si256(seen), 1);
+    /* what each lane's key is past the pair's first: 1 in the upper half where packed */
+    const __m512i second = packed ? _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(1), 1)
+                                  : _mm512_setzero_si512();
+    __m512 k = _mm512_set1_ps(scale), top = _mm512_set1_ps(-FLT_MAX);
     for (int j = 0; j <= groups; j++) {
         if (j + AHEAD < groups) { /* a later group's key and value rows (for pass 3) into L2 */
             const uint16_t *keys = key_rows(k_cache, table, 16 * (j + AHEAD), block_size, row_stride, head);
@@ -439,30 +452,52 @@ static void strip_amx(const int D, int rows, const uint16_t *const *q, const int
             else
                 SCORE_GROUP(3, D, keys, 2L * row_stride, b->scores + 16L * 16 * j);
         }
-        for (int key = 16 * (j - 1); j > 0 && key < 16 * j && key < last; key++) {
-            __mmask16 lanes = _mm512_cmpgt_epi32_mask(seen, _mm512_set1_epi32(key));
-            top = _mm512_mask_max_ps(top, lanes, top, _mm512_mul_ps(_mm512_load_ps(b->scores + 16L * key), k));
+        for (int key = 16 * (j - 1); j > 0 && key < 16 * j && key < last; key += 1 + packed) {
+            __mmask16 lanes = _mm512_cmpgt_epi32_mask(seen, _mm512_add_epi32(_mm512_set1_epi32(key), second));
+            __m512 s = packed ? two_keys(b->scores, key, last) : _mm512_load_ps(b->scores + 16L * key);
+            top = _mm512_mask_max_ps(top, lanes, top, _mm512_mul_ps(s, k));
         }
     }
-    /* 2. each row's probabilities and their sum, key by key */
+    if (packed) { /* each row's maximum over both halves, in both */
+        __m256 both = _mm256_max_ps(_mm512_castps512_ps256(top), _mm512_extractf32x8_ps(top, 1));
+        top = _mm512_insertf32x8(_mm512_castps256_ps512(both), both, 1);
+    }
+    /* 2. each row's probabilities, their sums over even and over odd keys, key by key, and their total */
     const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
                                                 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m256i halves = _mm256_set_epi16(15, 7, 14, 6, 13, 5, 12, 4, 11, 3, 10, 2, 9, 1, 8, 0);
+    __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps(); /* packed: both in one, odd keys' above */
     for (int c = 0; c < width; c += 32) { /* 32 keys: 16 pairs of keys, a row's pair a lane, then a row a vector */
         __m512i pairs[16];
         for (int kp = 0; kp < 16; kp++) {
+            int key = c + 2 * kp;
+            if (packed) {
+                __mmask16 lanes = _mm512_cmpgt_epi32_mask(seen, _mm512_add_epi32(_mm512_set1_epi32(key), second));
+                __m512 s = _mm512_mul_ps(two_keys(b->scores, key, last), k);
+                __m512 e = _mm512_maskz_mov_ps(lanes, exp512_nonpositive(_mm512_sub_ps(s, top)));
+                even = _mm512_add_ps(even, e);
+                __m256i p = _mm256_permutexvar_epi16(halves, (__m256i)_mm512_cvtneps_pbh(e));
+                pairs[kp] = _mm512_zextsi256_si512(p);
+                continue;
+            }
             __m512 e[2];
             for (int i = 0; i < 2; i++) {
-                int key = c + 2 * kp + i;
-                __mmask16 lanes = _mm512_cmpgt_epi32_mask(seen, _mm512_set1_epi32(key));
-                e[i] = key < last ? _mm512_mul_ps(_mm512_load_ps(b->scores + 16L * key), k) : top;
+                __mmask16 lanes = _mm512_cmpgt_epi32_mask(seen, _mm512_set1_epi32(key + i));
+                e[i] = key + i < last ? _mm512_mul_ps(_mm512_load_ps(b->scores + 16L * (key + i)), k) : top;
                 e[i] = _mm512_maskz_mov_ps(lanes, exp512_nonpositive(_mm512_sub_ps(e[i], top)));
-                sum = _mm512_add_ps(sum, e[i]);
             }
+            even = _mm512_add_ps(even, e[0]);
+            odd = _mm512_add_ps(odd, e[1]);
             pairs[kp] = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));
         }
         transpose16(pairs);
         for (int r = 0; r < rows; r++) _mm512_storeu_si512((char *)b->probs + (long)r * pitch + 2L * c, pairs[r]);
     }
+    float sums[STRIP];
+    if (packed)
+        _mm256_storeu_ps(sums, _mm256_add_ps(_mm512_castps512_ps256(even), _mm512_extractf32x8_ps(even, 1)));
+    else
+        _mm512_storeu_ps(sums, _mm512_add_ps(even, odd));
     /* 3. O = P V, 64 dimensions a pass; each chunk's value pairs are laid out while the chunk before multiplies */
     for (int d0 = 0; d0 < D; d0 += DIMS_A_PASS) {
         _tile_zero(4);
@@ -489,8 +524,6 @@ static void strip_amx(const int D, int rows, const uint16_t *const *q, const int
         _tile_stored(5, b->obuf + 16, 4 * DIMS_A_PASS);
         _tile_stored(6, b->obuf + 32, 4 * DIMS_A_PASS);
         _tile_stored(7, b->obuf + 48, 4 * DIMS_A_PASS);
-        float sums[STRIP];
-        _mm512_storeu_ps(sums, sum);
         for (int r = 0; r < rows; r++) {
             __m512 inv = _mm512_set1_ps(1.f / sums[r]);
             for (int i = 0; i < DIMS_A_PASS / 16; i++)
