@@ -404,36 +404,71 @@ static void value_pairs(const uint16_t *v_cache, const int32_t *table, int c, in
     }
 }
 
-/* Keys `key` and `key` + 1's scores of rows 0-7 as one vector (lanes 8i + r), zero for keys from `last` on. */
-static inline __m512 two_keys(const float *scores, int key, int last) {
-    __m256 first = _mm256_maskz_loadu_ps(key < last ? 0xff : 0, scores + 16L * key);
-    __m256 next = _mm256_maskz_loadu_ps(key + 1 < last ? 0xff : 0, scores + 16L * (key + 1));
-    return _mm512_insertf32x8(_mm512_castps256_ps512(first), next, 1);
+/* x as computed: the build lets the compiler reassociate floating-point sums (-fassociative-math), which could
+ * add a row's terms in another order in one inlined copy than in another; a sum passed through here is not. */
+static inline __m512 exactly(__m512 x) {
+    __asm__("" : "+v"(x));
+    return x;
 }
 
-/* One strip: rows[r] is row r's query (D bf16), lens[r] the keys it sees, outs[r] where its output goes. */
-static void strip_amx(const int D, int rows, const uint16_t *const *q, const int *lens, const int32_t *table,
-                      int block_size, int row_stride, long head, const uint16_t *k_cache, const uint16_t *v_cache,
-                      float scale, uint16_t *const *outs, const struct strip_buffers *b) {
-    int last = 0;
-    for (int r = 0; r < rows; r++) last = lens[r] > last ? lens[r] : last;
-    const int groups = (last + 15) / 16, width = (last + 31) / 32 * 32, pitch = 2 * width; /* P's, bytes */
-    for (int p = 0; p < D / 2; p++)
-        for (int r = 0; r < STRIP; r++) b->pairs[p * STRIP + r] = r < rows ? ((const uint32_t *)q[r])[p] : 0;
-    _tile_loadd(4, b->pairs, 64);
-    _tile_loadd(5, b->pairs + 16 * STRIP, 64);
-    if (D == 128) {
-        _tile_loadd(6, b->pairs + 32 * STRIP, 64);
-        _tile_loadd(7, b->pairs + 48 * STRIP, 64);
+/* The scores of keys key..key+P-1 (P = 1, 2 or 4), rows 0..16/P-1 of each, as one vector: lane 16/P * i + r is
+ * key + i's row r; zero for keys from `last` on. */
+static inline __m512 packed_keys(const float *scores, int key, int last, const int P) {
+    if (P == 1) return _mm512_maskz_load_ps(key < last ? 0xffff : 0, scores + 16L * key);
+    if (P == 2) {
+        __m256 first = _mm256_maskz_load_ps(key < last ? 0xff : 0, scores + 16L * key);
+        __m256 next = _mm256_maskz_load_ps(key + 1 < last ? 0xff : 0, scores + 16L * (key + 1));
+        return _mm512_insertf32x8(_mm512_castps256_ps512(first), next, 1);
     }
-    /* 1. scores, a key a row of 16 lanes; each group's maxima are taken while the next group multiplies. A
-     * strip of up to 8 rows takes two keys a vector (lanes 8i + r: key k + i, row r) for its softmax. */
-    const int packed = rows <= 8;
-    __m512i seen = _mm512_maskz_loadu_epi32(first_lanes(rows), lens);
-    if (packed) seen = _mm512_inserti64x4(seen, _mm512_castsi512_si256(seen), 1);
-    /* what each lane's key is past the pair's first: 1 in the upper half where packed */
-    const __m512i second = packed ? _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(1), 1)
-                                  : _mm512_setzero_si512();
+    __m512 v = _mm512_castps128_ps512(_mm_maskz_load_ps(key < last ? 0xf : 0, scores + 16L * key));
+    v = _mm512_insertf32x4(v, _mm_maskz_load_ps(key + 1 < last ? 0xf : 0, scores + 16L * (key + 1)), 1);
+    v = _mm512_insertf32x4(v, _mm_maskz_load_ps(key + 2 < last ? 0xf : 0, scores + 16L * (key + 2)), 2);
+    return _mm512_insertf32x4(v, _mm_maskz_load_ps(key + 3 < last ? 0xf : 0, scores + 16L * (key + 3)), 3);
+}
+
+/* Each row's probabilities in keys key.. (P to a vector, as packed_keys lays them out) and their sums: the sums
+ * over keys k = 0, 1, 2 and 3 mod 4 are kept apart (sum[k % 4 / P] holds P of them, lane groups as the keys),
+ * and `pairs` gets the bf16 probabilities of pairs of keys, a row's pair a lane. */
+static inline __attribute__((always_inline)) void probabilities(const float *scores, int key, int last, const int P,
+                                                                __m512i seen, __m512i offsets, __m512 k, __m512 top,
+                                                                __m512 *sum, __m512i *pairs) {
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                                22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    __m512 e[2];
+    for (int i = 0; i < (P == 1 ? 2 : 1); i++) {
+        __mmask16 lanes = _mm512_cmpgt_epi32_mask(seen, _mm512_add_epi32(_mm512_set1_epi32(key + i), offsets));
+        __m512 s = _mm512_mul_ps(packed_keys(scores, key + i, last, P), k);
+        e[i] = _mm512_maskz_mov_ps(lanes, exp512_nonpositive(_mm512_sub_ps(s, top)));
+        sum[(key + i) % 4 / P] = exactly(_mm512_add_ps(sum[(key + i) % 4 / P], e[i]));
+    }
+    if (P == 1) {
+        pairs[0] = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));
+    } else if (P == 2) { /* words r and 8 + r of the key pair side by side */
+        const __m256i halves = _mm256_set_epi16(15, 7, 14, 6, 13, 5, 12, 4, 11, 3, 10, 2, 9, 1, 8, 0);
+        pairs[0] = _mm512_zextsi256_si512(_mm256_permutexvar_epi16(halves, (__m256i)_mm512_cvtneps_pbh(e[0])));
+    } else { /* words r and 4 + r, then 8 + r and 12 + r */
+        const __m256i quarters = _mm256_set_epi16(15, 11, 14, 10, 13, 9, 12, 8, 7, 3, 6, 2, 5, 1, 4, 0);
+        __m256i both = _mm256_permutexvar_epi16(quarters, (__m256i)_mm512_cvtneps_pbh(e[0]));
+        pairs[0] = _mm512_zextsi128_si512(_mm256_castsi256_si128(both));
+        pairs[1] = _mm512_zextsi128_si512(_mm256_extracti128_si256(both, 1));
+    }
+}
+
+/* Passes 1 and 2 of a strip (see strip_amx), P keys to a softmax vector (rows <= 16 / P): its scores, each row's
+ * maximum, probabilities (into b->probs, a row's keys in a row) and their sum, ((S0 + S1) + (S2 + S3)) of the
+ * sums over keys k = 0..3 mod 4, each taken key by key, whatever P. */
+static inline __attribute__((always_inline)) void scores_and_probabilities(
+    const struct strip_buffers *b, int rows, const int *lens, int last, int groups, int width, float scale, const int P,
+    const int D, const int32_t *table, int block_size, int row_stride, long head, const uint16_t *k_cache,
+    const uint16_t *v_cache, float *sums) {
+    __m512i seen = _mm512_maskz_loadu_epi32(first_lanes(rows), lens), offsets = _mm512_setzero_si512();
+    if (P == 2) {
+        seen = _mm512_inserti64x4(seen, _mm512_castsi512_si256(seen), 1);
+        offsets = _mm512_inserti64x4(offsets, _mm256_set1_epi32(1), 1);
+    } else if (P == 4) {
+        seen = _mm512_broadcast_i32x4(_mm512_castsi512_si128(seen));
+        offsets = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    }
     __m512 k = _mm512_set1_ps(scale), top = _mm512_set1_ps(-FLT_MAX);
     for (int j = 0; j <= groups; j++) {
         if (j + AHEAD < groups) { /* a later group's key and value rows (for pass 3) into L2 */
@@ -452,52 +487,65 @@ static void strip_amx(const int D, int rows, const uint16_t *const *q, const int
             else
                 SCORE_GROUP(3, D, keys, 2L * row_stride, b->scores + 16L * 16 * j);
         }
-        for (int key = 16 * (j - 1); j > 0 && key < 16 * j && key < last; key += 1 + packed) {
-            __mmask16 lanes = _mm512_cmpgt_epi32_mask(seen, _mm512_add_epi32(_mm512_set1_epi32(key), second));
-            __m512 s = packed ? two_keys(b->scores, key, last) : _mm512_load_ps(b->scores + 16L * key);
-            top = _mm512_mask_max_ps(top, lanes, top, _mm512_mul_ps(s, k));
+        for (int key = 16 * (j - 1); j > 0 && key < 16 * j && key < last; key += P) {
+            __mmask16 lanes = _mm512_cmpgt_epi32_mask(seen, _mm512_add_epi32(_mm512_set1_epi32(key), offsets));
+            top = _mm512_mask_max_ps(top, lanes, top, _mm512_mul_ps(packed_keys(b->scores, key, last, P), k));
         }
     }
-    if (packed) { /* each row's maximum over both halves, in both */
-        __m256 both = _mm256_max_ps(_mm512_castps512_ps256(top), _mm512_extractf32x8_ps(top, 1));
-        top = _mm512_insertf32x8(_mm512_castps256_ps512(both), both, 1);
-    }
-    /* 2. each row's probabilities, their sums over even and over odd keys, key by key, and their total */
-    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
-                                                22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    const __m256i halves = _mm256_set_epi16(15, 7, 14, 6, 13, 5, 12, 4, 11, 3, 10, 2, 9, 1, 8, 0);
-    __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps(); /* packed: both in one, odd keys' above */
+    if (P >= 2) /* each row's maximum over the lane groups, in all of them */
+        top = _mm512_max_ps(top, _mm512_shuffle_f32x4(top, top, _MM_SHUFFLE(1, 0, 3, 2)));
+    if (P == 4)
+        top = _mm512_max_ps(top, _mm512_shuffle_f32x4(top, top, _MM_SHUFFLE(2, 3, 0, 1)));
+    __m512 sum[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int c = 0; c < width; c += 32) { /* 32 keys: 16 pairs of keys, a row's pair a lane, then a row a vector */
         __m512i pairs[16];
-        for (int kp = 0; kp < 16; kp++) {
-            int key = c + 2 * kp;
-            if (packed) {
-                __mmask16 lanes = _mm512_cmpgt_epi32_mask(seen, _mm512_add_epi32(_mm512_set1_epi32(key), second));
-                __m512 s = _mm512_mul_ps(two_keys(b->scores, key, last), k);
-                __m512 e = _mm512_maskz_mov_ps(lanes, exp512_nonpositive(_mm512_sub_ps(s, top)));
-                even = _mm512_add_ps(even, e);
-                __m256i p = _mm256_permutexvar_epi16(halves, (__m256i)_mm512_cvtneps_pbh(e));
-                pairs[kp] = _mm512_zextsi256_si512(p);
-                continue;
-            }
-            __m512 e[2];
-            for (int i = 0; i < 2; i++) {
-                __mmask16 lanes = _mm512_cmpgt_epi32_mask(seen, _mm512_set1_epi32(key + i));
-                e[i] = key + i < last ? _mm512_mul_ps(_mm512_load_ps(b->scores + 16L * (key + i)), k) : top;
-                e[i] = _mm512_maskz_mov_ps(lanes, exp512_nonpositive(_mm512_sub_ps(e[i], top)));
-            }
-            even = _mm512_add_ps(even, e[0]);
-            odd = _mm512_add_ps(odd, e[1]);
-            pairs[kp] = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));
-        }
+        for (int key = c; key < c + 32; key += P == 4 ? 4 : 2)
+            probabilities(b->scores, key, last, P, seen, offsets, k, top, sum, pairs + (key - c) / 2);
         transpose16(pairs);
-        for (int r = 0; r < rows; r++) _mm512_storeu_si512((char *)b->probs + (long)r * pitch + 2L * c, pairs[r]);
+        for (int r = 0; r < rows; r++) _mm512_storeu_si512((char *)b->probs + 2L * (r * width + c), pairs[r]);
     }
+    /* S_i of each row in lanes 0..: P = 1: sum[i]; P = 2: sum[i / 2]'s group i % 2; P = 4: sum[0]'s group i */
+    __m512 part[4];
+    for (int i = 0; i < 4; i++) {
+        __m512 v = sum[P == 1 ? i : P == 2 ? i / 2 : 0];
+        int group = P == 1 ? 0 : P == 2 ? i % 2 : i;
+        part[i] = group == 0   ? v
+                  : group == 1 ? (P == 2 ? _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(1, 0, 3, 2))
+                                         : _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(0, 3, 2, 1)))
+                  : group == 2 ? _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(1, 0, 3, 2))
+                               : _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(2, 1, 0, 3));
+    }
+    __m512 low = exactly(_mm512_add_ps(part[0], part[1])), high = exactly(_mm512_add_ps(part[2], part[3]));
+    _mm512_storeu_ps(sums, _mm512_add_ps(low, high));
+}
+
+/* One strip: rows[r] is row r's query (D bf16), lens[r] the keys it sees, outs[r] where its output goes. */
+static void strip_amx(const int D, int rows, const uint16_t *const *q, const int *lens, const int32_t *table,
+                      int block_size, int row_stride, long head, const uint16_t *k_cache, const uint16_t *v_cache,
+                      float scale, uint16_t *const *outs, const struct strip_buffers *b) {
+    int last = 0;
+    for (int r = 0; r < rows; r++) last = lens[r] > last ? lens[r] : last;
+    const int groups = (last + 15) / 16, width = (last + 31) / 32 * 32, pitch = 2 * width; /* P's, bytes */
+    for (int p = 0; p < D / 2; p++)
+        for (int r = 0; r < STRIP; r++) b->pairs[p * STRIP + r] = r < rows ? ((const uint32_t *)q[r])[p] : 0;
+    _tile_loadd(4, b->pairs, 64);
+    _tile_loadd(5, b->pairs + 16 * STRIP, 64);
+    if (D == 128) {
+        _tile_loadd(6, b->pairs + 32 * STRIP, 64);
+        _tile_loadd(7, b->pairs + 48 * STRIP, 64);
+    }
+    /* 1. scores, a key a row of 16 lanes; each group's maxima are taken while the next group multiplies. A
+     * strip of up to 8 (4) rows takes 2 (4) keys a vector for its softmax. */
     float sums[STRIP];
-    if (packed)
-        _mm256_storeu_ps(sums, _mm256_add_ps(_mm512_castps512_ps256(even), _mm512_extractf32x8_ps(even, 1)));
+    if (rows <= 4)
+        scores_and_probabilities(b, rows, lens, last, groups, width, scale, 4, D, table, block_size, row_stride,
+                                 head, k_cache, v_cache, sums);
+    else if (rows <= 8)
+        scores_and_probabilities(b, rows, lens, last, groups, width, scale, 2, D, table, block_size, row_stride,
+                                 head, k_cache, v_cache, sums);
     else
-        _mm512_storeu_ps(sums, _mm512_add_ps(even, odd));
+        scores_and_probabilities(b, rows, lens, last, groups, width, scale, 1, D, table, block_size, row_stride,
+                                 head, k_cache, v_cache, sums);
     /* 3. O = P V, 64 dimensions a pass; each chunk's value pairs are laid out while the chunk before multiplies */
     for (int d0 = 0; d0 < D; d0 += DIMS_A_PASS) {
         _tile_zero(4);
