@@ -280,7 +280,6 @@ static int attend_bf16_fast(const uint16_t *q, int group, int head_dim, int h0, 
 #if defined(HAVE_AVX512_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define HAVE_DECODE_AMX 1
 #include <omp.h>
-#include <stdlib.h>
 
 #include "amx.h"
 
@@ -302,8 +301,10 @@ static int attend_bf16_fast(const uint16_t *q, int group, int head_dim, int h0, 
 #define STRIP 16
 #define DIMS_A_PASS 64
 #define AHEAD 4 /* groups of 16 keys ahead that the rows are asked for */
-/* Rows that see more keys than this take the vdpbf16ps routine: each pass's buffers then outgrow L2 and its three
- * passes reread them, which costs a lone token's rows more than the vector routine's single pass. */
+/* Rows that see fewer or more keys than these take the vdpbf16ps routine: below, a strip's fixed costs (tile
+ * state, three passes) outweigh what it saves a lone token; above, its buffers outgrow L2 and its three passes
+ * reread them, which costs a lone token's rows more than the vector routine's single pass. */
+#define AMX_MIN_KEYS 256
 #define AMX_MAX_KEYS 2048
 /* Nor do steps of more tokens than SAME_BITS_ROWS (kernels/cpu/linear.py), where rows need not get the bits they get
  * alone: there most tokens are other sequences' lone ones, whose three rows a KV head the vector routine serves
@@ -581,18 +582,18 @@ static void strip_amx(const int D, int rows, const uint16_t *const *q, const int
     }
 }
 
-/* paged_decode through AMX strips for the tokens that see at most AMX_MAX_KEYS keys. The tokens of a step that
- * follow each other with the same block table are one sequence's (a draft being verified, a short prompt chunk):
- * a task is such a run's rows for one KV head, 16 at a time, so the run reads its keys once a strip rather than
- * once a token. Returns 0, or -2 without memory for the buffers. */
-static int paged_decode_amx(const uint16_t *q, long q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
-                            const int32_t *tables, int max_blocks, const int32_t *seq_lens, uint16_t *out, int batch,
-                            int heads, int kv_heads, int D, int block_size, float scale, int num_threads) {
+/* paged_decode through AMX strips for the tokens that see AMX_MIN_KEYS to AMX_MAX_KEYS keys (batch: at most
+ * AMX_MAX_TOKENS). The tokens of a step that follow each other with the same block table are one sequence's (a
+ * draft being verified, a short prompt chunk): a task is such a run's rows for one KV head, 16 at a time, so the
+ * run reads its keys once a strip rather than once a token. Its buffers, bounded by both limits, are on the
+ * threads' stacks. */
+static void paged_decode_amx(const uint16_t *q, long q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                             const int32_t *tables, int max_blocks, const int32_t *seq_lens, uint16_t *out, int batch,
+                             int heads, int kv_heads, int D, int block_size, float scale, int num_threads) {
     int group = heads / kv_heads, row_stride = kv_heads * D, runs = 0, longest = 0;
-    int *first = malloc(sizeof(int) * 2 * (batch + 1)), *end = first + batch + 1; /* run r: tokens [first, end) */
-    if (!first) return -2;
+    int first[AMX_MAX_TOKENS], end[AMX_MAX_TOKENS]; /* run r: tokens [first, end) */
     for (int b = 0; b < batch; b++) {
-        if (seq_lens[b] > AMX_MAX_KEYS) continue;
+        if (seq_lens[b] < AMX_MIN_KEYS || seq_lens[b] > AMX_MAX_KEYS) continue;
         longest = seq_lens[b] > longest ? seq_lens[b] : longest;
         if (runs == 0 || end[runs - 1] != b ||
             memcmp(tables + (long)b * max_blocks, tables + (long)(b - 1) * max_blocks, sizeof(int32_t) * max_blocks))
@@ -601,35 +602,25 @@ static int paged_decode_amx(const uint16_t *q, long q_stride, const uint16_t *k_
     }
     int strips = 0; /* per KV head: each run's rows, STRIP at a time */
     for (int r = 0; r < runs; r++) strips += ((end[r] - first[r]) * group + STRIP - 1) / STRIP;
-    int *strip_run = malloc(sizeof(int) * strips * 2), failed = 0;
-    if (!strip_run) {
-        free(first);
-        return -2;
-    }
+    int strip_run[strips > 0 ? strips : 1], strip_row[strips > 0 ? strips : 1];
     for (int r = 0, i = 0; r < runs; r++)
-        for (int row = 0; row < (end[r] - first[r]) * group; row += STRIP, i++)
-            strip_run[2 * i] = r, strip_run[2 * i + 1] = row;
+        for (int row = 0; row < (end[r] - first[r]) * group; row += STRIP, i++) strip_run[i] = r, strip_row[i] = row;
     long keys = (longest + 31) / 32 * 32;
-#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    /* each part a multiple of 64 bytes (keys is a multiple of 32) */
+    const long parts[] = {sizeof(float) * keys * STRIP, sizeof(uint16_t) * STRIP * keys,
+                          sizeof(uint16_t) * 2 * VALUE_PAIRS, sizeof(uint32_t) * D / 2 * STRIP,
+                          sizeof(float) * STRIP * DIMS_A_PASS};
+#pragma omp parallel num_threads(num_threads)
     {
-        /* one allocation a thread, each part a multiple of 64 bytes (keys is a multiple of 32) */
-        long parts[] = {sizeof(float) * keys * STRIP, sizeof(uint16_t) * STRIP * keys, sizeof(uint16_t) * 2 * VALUE_PAIRS,
-                        sizeof(uint32_t) * D / 2 * STRIP, sizeof(float) * STRIP * DIMS_A_PASS};
-        char *buffer = aligned_alloc(64, parts[0] + parts[1] + parts[2] + parts[3] + parts[4]);
-        struct strip_buffers b = {0};
-        failed = !buffer;
-        if (buffer) {
-            b.scores = (float *)buffer;
-            b.probs = (uint16_t *)(buffer + parts[0]);
-            b.values = (uint16_t *)(buffer + parts[0] + parts[1]);
-            b.pairs = (uint32_t *)(buffer + parts[0] + parts[1] + parts[2]);
-            b.obuf = (float *)(buffer + parts[0] + parts[1] + parts[2] + parts[3]);
-        }
-        if (!failed) configure_decode_tiles();
+        char buffer[parts[0] + parts[1] + parts[2] + parts[3] + parts[4]] __attribute__((aligned(64)));
+        struct strip_buffers b = {(float *)buffer, (uint16_t *)(buffer + parts[0]),
+                                  (uint16_t *)(buffer + parts[0] + parts[1]),
+                                  (uint32_t *)(buffer + parts[0] + parts[1] + parts[2]),
+                                  (float *)(buffer + parts[0] + parts[1] + parts[2] + parts[3])};
+        configure_decode_tiles();
 #pragma omp for schedule(dynamic, 1)
         for (int task = 0; task < strips * kv_heads; task++) {
-            if (failed) continue;
-            int h = task % kv_heads, i = task / kv_heads, r = strip_run[2 * i], row0 = strip_run[2 * i + 1];
+            int h = task % kv_heads, i = task / kv_heads, r = strip_run[i], row0 = strip_row[i];
             int tokens = end[r] - first[r], rows = tokens * group - row0 < STRIP ? tokens * group - row0 : STRIP;
             const uint16_t *rq[STRIP];
             uint16_t *ro[STRIP];
@@ -643,12 +634,8 @@ static int paged_decode_amx(const uint16_t *q, long q_stride, const uint16_t *k_
             strip_amx(D, rows, rq, lens, tables + (long)first[r] * max_blocks, block_size, row_stride, (long)h * D,
                       k_cache, v_cache, scale, ro, &b);
         }
-        if (!failed) _tile_release(); /* a thread holding tile state costs every context switch 8 KB more */
-        free(buffer);
+        _tile_release(); /* a thread holding tile state costs every context switch 8 KB more */
     }
-    free(first);
-    free(strip_run);
-    return failed ? -2 : 0;
 }
 
 int paged_decode_set_amx(int on) {
@@ -696,13 +683,14 @@ int paged_decode(const void *q, long q_stride, const void *k_cache, const void *
     int group = heads / kv_heads;
     if (head_dim > MAX_HEAD_DIM || group > MAX_GROUP || block_size > MAX_BLOCK) return -1;
     int row_stride = kv_heads * head_dim, size = is_bf16 ? 2 : 4;
-    int amx_keys = 0; /* tokens that see at most this many keys went through AMX */
+    int amx_keys[2] = {1, 0}; /* tokens that see this many keys or more, and at most this many, went through AMX */
 #ifdef HAVE_DECODE_AMX
     if (decode_amx && is_bf16 && (head_dim == 64 || head_dim == 128) && block_size % 16 == 0 &&
-        batch <= AMX_MAX_TOKENS && amx_permitted() &&
+        batch <= AMX_MAX_TOKENS && amx_permitted()) {
         paged_decode_amx(q, q_stride, k_cache, v_cache, block_tables, max_blocks, seq_lens, out, batch, heads,
-                         kv_heads, head_dim, block_size, scale, num_threads) == 0)
-        amx_keys = AMX_MAX_KEYS;
+                         kv_heads, head_dim, block_size, scale, num_threads);
+        amx_keys[0] = AMX_MIN_KEYS, amx_keys[1] = AMX_MAX_KEYS;
+    }
 #endif
     /* With enough sequences to keep every thread busy, a task is a whole sequence, all its KV heads on
      * one core (see attend_avx512); with fewer, one KV head, so a single sequence still uses several. */
@@ -710,7 +698,7 @@ int paged_decode(const void *q, long q_stride, const void *k_cache, const void *
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int task = 0; task < batch * tasks_per_seq; task++) {
         int b = task / tasks_per_seq, h0 = task % tasks_per_seq * heads_per_task;
-        if (seq_lens[b] <= amx_keys) continue;
+        if (seq_lens[b] >= amx_keys[0] && seq_lens[b] <= amx_keys[1]) continue;
         const char *q_seq = (const char *)q + (long)b * q_stride * size;
         char *out_seq = (char *)out + (long)b * heads * head_dim * size;
         const int32_t *table = block_tables + (long)b * max_blocks;
