@@ -21,6 +21,24 @@ static int amx_permitted(void) {
     if (permitted < 0) permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
     return permitted;
 }
+
+#if defined(__AMX_BF16__)
+/* O += P V for one block of 32 keys, as both attention kernels run it: P's 16 rows (bf16, `p_stride` bytes apart)
+ * into tmm0, four blocks of 16 output dimensions of the keys' value pairs (`v_stride` bytes a pair of keys) through
+ * tmm1-3, the sums in tmm4-7. */
+static inline __attribute__((always_inline)) void tiles_pv(const void *p, long p_stride, const uint16_t *v,
+                                                           long v_stride) {
+    _tile_loadd(0, p, p_stride);
+    _tile_loadd(1, v, v_stride);
+    _tile_dpbf16ps(4, 0, 1);
+    _tile_loadd(2, v + 32, v_stride);
+    _tile_dpbf16ps(5, 0, 2);
+    _tile_loadd(3, v + 64, v_stride);
+    _tile_dpbf16ps(6, 0, 3);
+    _tile_loadd(1, v + 96, v_stride);
+    _tile_dpbf16ps(7, 0, 1);
+}
+#endif
 #endif
 
 #endif

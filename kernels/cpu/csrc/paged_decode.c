@@ -556,15 +556,7 @@ static void strip_amx(const int D, int rows, const uint16_t *const *q, const int
         value_pairs(v_cache, table, 0, last, block_size, row_stride, head + d0, b->values);
         for (int c = 0; c < width; c += 32) {
             const uint16_t *values = b->values + (c / 32 % 2) * VALUE_PAIRS;
-            _tile_loadd(0, (const char *)b->probs + 2L * c, pitch);
-            _tile_loadd(1, values, 4 * DIMS_A_PASS);
-            _tile_dpbf16ps(4, 0, 1);
-            _tile_loadd(2, values + 32, 4 * DIMS_A_PASS);
-            _tile_dpbf16ps(5, 0, 2);
-            _tile_loadd(3, values + 64, 4 * DIMS_A_PASS);
-            _tile_dpbf16ps(6, 0, 3);
-            _tile_loadd(1, values + 96, 4 * DIMS_A_PASS);
-            _tile_dpbf16ps(7, 0, 1);
+            tiles_pv((const char *)b->probs + 2L * c, pitch, values, 4 * DIMS_A_PASS);
             if (c + 32 < width)
                 value_pairs(v_cache, table, c + 32, last, block_size, row_stride, head + d0,
                             b->values + (c / 32 + 1) % 2 * VALUE_PAIRS);

@@ -261,15 +261,7 @@ static void attend_strip_amx(const int D, int rows, const uint16_t *const *qrows
         for (int c = 0; c < width; c += 32) {
             /* value rows: key pairs of keys c..c+31 (two value tiles, contiguous), D pairs of dims apart */
             const uint16_t *vt = values + (long)(c / KEYS) * D * KEYS + 2 * d0;
-            _tile_loadd(0, probs + c, 2 * width);
-            _tile_loadd(1, vt, 4 * D);
-            _tile_dpbf16ps(4, 0, 1);
-            _tile_loadd(2, vt + 32, 4 * D);
-            _tile_dpbf16ps(5, 0, 2);
-            _tile_loadd(3, vt + 64, 4 * D);
-            _tile_dpbf16ps(6, 0, 3);
-            _tile_loadd(1, vt + 96, 4 * D);
-            _tile_dpbf16ps(7, 0, 1);
+            tiles_pv(probs + c, 2 * width, vt, 4 * D);
         }
         _tile_stored(4, obuf, 4 * DIMS_A_PASS);
         _tile_stored(5, obuf + 16, 4 * DIMS_A_PASS);
