@@ -288,14 +288,14 @@ static int attend_bf16_fast(const uint16_t *q, int group, int head_dim, int h0, 
  *   1. S^T = K Q^T through tiles: the cache's key rows are the left operand as they lie (16 keys by 32
  *      dimensions a tile load), the strip's queries, their dimension pairs transposed once, the right one; so
  *      each key's scores come out as one vector, a lane per row;
- *   2. in those vectors, each row's maximum over the keys it sees, then its probabilities (zero for keys it
- *      does not see) and their running sum key by key, and the probabilities, rounded to bf16 as the other
- *      routes round them, transposed into rows;
+ *   2. in those vectors (several keys to one where the strip has few rows), each row's maximum over the keys it
+ *      sees, then its probabilities (zero for keys it does not see) and their sum, and the probabilities,
+ *      rounded to bf16 as the other routes round them, transposed into rows;
  *   3. O = P V through tiles, over pairs of keys whose value rows are interleaved into the layout TDPBF16PS
  *      takes (value rows past the strip's last key zeroed), the sums in tile registers over all keys.
  * Every step is lane by lane or row by row, so a row gets the same bits whatever other rows share its strip:
  * a draft's tokens verify as decoding alone would compute them. The vdpbf16ps routine reduces each key's
- * sums across lanes and works one query head at a time, which on AMX CPUs costs several times more a row.
+ * sums across lanes and reads the keys once a token, which costs a run of tokens several times more a row.
  * Tiles, all 16 rows by 64 bytes: tmm4-7 hold the queries' dimension pairs for S (then O's four blocks of 16
  * dimensions), tmm0-1 key tiles, tmm2-3 scores; for O, tmm0 a block of P (32 keys), tmm1-3 value blocks. */
 #define STRIP 16
@@ -594,7 +594,8 @@ static void paged_decode_amx(const uint16_t *q, long q_stride, const uint16_t *k
     }
     int strips = 0; /* per KV head: each run's rows, STRIP at a time */
     for (int r = 0; r < runs; r++) strips += ((end[r] - first[r]) * group + STRIP - 1) / STRIP;
-    int strip_run[strips > 0 ? strips : 1], strip_row[strips > 0 ? strips : 1];
+    if (strips == 0) return;
+    int strip_run[strips], strip_row[strips];
     for (int r = 0, i = 0; r < runs; r++)
         for (int row = 0; row < (end[r] - first[r]) * group; row += STRIP, i++) strip_run[i] = r, strip_row[i] = row;
     long keys = (longest + 31) / 32 * 32;
@@ -684,6 +685,9 @@ int paged_decode(const void *q, long q_stride, const void *k_cache, const void *
         amx_keys[0] = AMX_MIN_KEYS, amx_keys[1] = AMX_MAX_KEYS;
     }
 #endif
+    int left = 0;
+    for (int b = 0; b < batch; b++) left += seq_lens[b] < amx_keys[0] || seq_lens[b] > amx_keys[1];
+    if (left == 0) return 0;
     /* With enough sequences to keep every thread busy, a task is a whole sequence, all its KV heads on
      * one core (see attend_avx512); with fewer, one KV head, so a single sequence still uses several. */
     int heads_per_task = batch >= 2 * num_threads ? kv_heads : 1, tasks_per_seq = kv_heads / heads_per_task;
