@@ -22,6 +22,13 @@ static int amx_permitted(void) {
     return permitted;
 }
 
+/* All eight tiles 16 rows of 64 bytes, as both attention kernels use them. */
+static inline void configure_full_tiles(void) {
+    struct tile_config config = {.palette = 1};
+    for (int t = 0; t < 8; t++) config.rows[t] = 16, config.bytes_per_row[t] = 64;
+    _tile_loadconfig(&config);
+}
+
 #if defined(__AMX_BF16__)
 /* O += P V for one block of 32 keys, as both attention kernels run it: P's 16 rows (bf16, `p_stride` bytes apart)
  * into tmm0, four blocks of 16 output dimensions of the keys' value pairs (`v_stride` bytes a pair of keys) through

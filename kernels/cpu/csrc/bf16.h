@@ -164,6 +164,16 @@ static inline __m256i bf16_from_512(__m512 f) {
 #endif
 }
 
+#ifdef __AVX512BF16__
+/* Lane i of `even` and of `odd` rounded to bf16, side by side in 32-bit lane i: a pair as vdpbf16ps and TDPBF16PS
+ * take it. The two-vector conversion puts lane i of `even` in word i and of `odd` in word 16 + i. */
+static inline __m512i bf16_pairs(__m512 even, __m512 odd) {
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                                22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(odd, even));
+}
+#endif
+
 /* 16 bf16 values as fp32, the lanes outside `lanes` zero (and not read: no fault past an array's end). */
 static inline __m512 load_bf16_ps(__mmask16 lanes, const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, p)), 16));

@@ -577,10 +577,6 @@ static void unit_avx512(const struct qweight *w, const uint8_t *unit, __m512 d, 
     __m512i v = _mm512_loadu_si512(unit), byte = _mm512_set1_epi32(0xff);
     __m512i nibbles[2] = {_mm512_and_si512(v, _mm512_set1_epi8(15)),
                           _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15))};
-    /* Words 2j and 2j + 1 of a pair's 32 take row j's even and odd column: the even column's bf16 value lies in
-     * word j of the two-vector conversion, the odd one's in word 16 + j. */
-    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
-                                                22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     int pairs = w->bits == 4 ? 4 : 2;
     for (int p = 0; p < pairs; p++) {
         __m512 f[2];
@@ -596,8 +592,8 @@ static void unit_avx512(const struct qweight *w, const uint8_t *unit, __m512 d, 
                 f[t] = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(q), d), m);
             }
         }
-        __m512i both = (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]);
-        _mm512_storeu_si512(dst + 2 * TILE * p, _mm512_permutexvar_epi16(interleave, both));
+        /* words 2j and 2j + 1 of the pair: row j's even and odd column */
+        _mm512_storeu_si512(dst + 2 * TILE * p, bf16_pairs(f[0], f[1]));
     }
 }
 #endif

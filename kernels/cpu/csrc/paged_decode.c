@@ -313,12 +313,6 @@ static int attend_bf16_fast(const uint16_t *q, int group, int head_dim, int h0, 
 
 static int decode_amx = 1; /* tests turn it off to exercise the vdpbf16ps routine on AMX CPUs */
 
-static void configure_decode_tiles(void) {
-    struct tile_config config = {.palette = 1};
-    for (int t = 0; t < 8; t++) config.rows[t] = STRIP, config.bytes_per_row[t] = 64;
-    _tile_loadconfig(&config);
-}
-
 /* A thread's buffers for strips of up to `keys` keys (a multiple of 32) of head dim D. */
 struct strip_buffers {
     float *scores;    /* [keys][16] */
@@ -433,8 +427,6 @@ static inline __m512 packed_keys(const float *scores, int key, int last, const i
 static inline __attribute__((always_inline)) void probabilities(const float *scores, int key, int last, const int P,
                                                                 __m512i seen, __m512i offsets, __m512 k, __m512 top,
                                                                 __m512 *sum, __m512i *pairs) {
-    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
-                                                22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     __m512 e[2];
     for (int i = 0; i < (P == 1 ? 2 : 1); i++) {
         __mmask16 lanes = _mm512_cmpgt_epi32_mask(seen, _mm512_add_epi32(_mm512_set1_epi32(key + i), offsets));
@@ -443,7 +435,7 @@ static inline __attribute__((always_inline)) void probabilities(const float *sco
         sum[(key + i) % 4 / P] = exactly(_mm512_add_ps(sum[(key + i) % 4 / P], e[i]));
     }
     if (P == 1) {
-        pairs[0] = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]));
+        pairs[0] = bf16_pairs(e[0], e[1]);
     } else if (P == 2) { /* words r and 8 + r of the key pair side by side */
         const __m256i halves = _mm256_set_epi16(15, 7, 14, 6, 13, 5, 12, 4, 11, 3, 10, 2, 9, 1, 8, 0);
         pairs[0] = _mm512_zextsi256_si512(_mm256_permutexvar_epi16(halves, (__m256i)_mm512_cvtneps_pbh(e[0])));
@@ -610,7 +602,7 @@ static void paged_decode_amx(const uint16_t *q, long q_stride, const uint16_t *k
                                   (uint16_t *)(buffer + parts[0] + parts[1]),
                                   (uint32_t *)(buffer + parts[0] + parts[1] + parts[2]),
                                   (float *)(buffer + parts[0] + parts[1] + parts[2] + parts[3])};
-        configure_decode_tiles();
+        configure_full_tiles();
 #pragma omp for schedule(dynamic, 1)
         for (int task = 0; task < strips * kv_heads; task++) {
             int h = task % kv_heads, i = task / kv_heads, r = strip_run[i], row0 = strip_row[i];

@@ -184,12 +184,6 @@ static inline __attribute__((always_inline)) void attend_task(const int D, const
 
 static int extend_amx = 1; /* tests turn it off to exercise the vdpbf16ps routine on AMX CPUs */
 
-static void configure_strip_tiles(void) {
-    struct tile_config config = {.palette = 1};
-    for (int t = 0; t < 8; t++) config.rows[t] = STRIP, config.bytes_per_row[t] = 64;
-    _tile_loadconfig(&config);
-}
-
 /* Scores of key tile j (16 keys) for the strip's queries, in tiles 4.. (D / 32 of them), into scores. */
 #define SCORE_TILE(S, B, D, j)                                                                               \
     do {                                                                                                     \
@@ -556,7 +550,7 @@ int paged_extend(const uint16_t *q, long q_stride, const uint16_t *k_cache, cons
         if (strip) {
             obuf = (float *)strip, scores = obuf + STRIP * 64;
             qbuf = (uint16_t *)(scores + STRIP * widest), probs = qbuf + STRIP * MAX_HEAD_DIM;
-            configure_strip_tiles();
+            configure_full_tiles();
         }
 #endif
 #pragma omp for schedule(dynamic, 1)
