@@ -243,7 +243,13 @@ class _Plan:
 
 
 def _timed_plan(
-    native: Callable, other: Callable, k: int, dtype: torch.dtype, other_costs_memory: bool, floor: int = 0
+    native: Callable,
+    other: Callable,
+    k: int,
+    dtype: torch.dtype,
+    other_costs_memory: bool,
+    floor: int = 0,
+    one_thread: bool = False,
 ) -> _Plan:
     """Times two routines on random rows (interleaved, best of a few) and finds up to how many rows the
     native one is the faster: all of them if it is at `_LARGE_ROWS` rows (its lead shrinks as rows grow),
@@ -253,21 +259,25 @@ def _timed_plan(
     the weight, the native one serves every row count if it is within a tenth of the other at `_LARGE_ROWS`
     rows, sparing that copy.
 
-    Timed on one thread: both routines split their work over threads alike, and with two threads any
-    other busy process makes each call wait for a descheduled thread (LM head, 2 rows, two threads on a
-    shared 2-core EPYC: 1.8 to 7.7 ms from one round to the next), which decided the plan by chance."""
+    Timed on the threads the engine runs with: oneDNN does not split every shape's work evenly over them
+    (two threads on [1000, 1536] x [1536, 576] took as long as one, and on 384-1000 rows of [576, 576] or
+    [960, 576] ran at half the rate of 256 rows), which a one-thread timing cannot see. With two threads any
+    other busy process makes a call wait for a descheduled thread, so each routine keeps its best of five
+    calls: one call free of other processes is enough. `one_thread`: two routines that split their work over
+    threads alike, timed where that noise cannot reach them."""
     gen = torch.Generator().manual_seed(0)
 
     def native_faster(rows: int, margin: float = 1.0) -> bool:
         x = torch.randn(rows, k, generator=gen).to(dtype)
         times = {native: math.inf, other: math.inf}
-        for _ in range(3):  # the best of 3 timed calls each: one call free of other processes is enough
+        for _ in range(5):
             for routine in times:
                 times[routine] = min(times[routine], best_time(lambda r=routine: r(x, None), 1))
         return times[native] <= margin * times[other]
 
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    if one_thread:
+        torch.set_num_threads(1)
     try:
         return _search(native_faster, other_costs_memory, floor)
     finally:
@@ -350,7 +360,7 @@ def _fma_rows() -> int:
     def time_it() -> _Plan:
         weight = torch.randn(3072, 576, generator=torch.Generator().manual_seed(0)).to(BF16)
         vdpbf16, fma = _BF16Tiles(weight, fma_rows=0, amx_rows=0), _BF16Tiles(weight, fma_rows=1, amx_rows=0)
-        return _timed_plan(vdpbf16, fma, weight.shape[1], BF16, other_costs_memory=False)
+        return _timed_plan(vdpbf16, fma, weight.shape[1], BF16, other_costs_memory=False, one_thread=True)
 
     rows = _remembered("bf16 fma [3072, 576]", time_it).native_rows
     return 0 if rows == _ALL else int(rows) + 1

@@ -175,6 +175,9 @@ static void configure_tiles(int rows) {
 
 /* Column pairs of x and of a weight tile a block: both blocks, 32 rows each (12 KB), fit L1 together. */
 #define AMX_BLOCK_PAIRS 96
+/* Bytes of x a group of passes: every tile of a thread meets the group's rows while they stay in L2, so that a
+ * step of many rows reads x from L2, not L3, once per tile (x of 1,000 rows by K = 1536 is 3 MB). */
+#define AMX_GROUP_BYTES (256 * 1024)
 
 /* How far ahead a pass that streams its weight from memory asks for it: into L2 a few pages ahead, and into
  * L1 the block after the one it multiplies, so that the tile loads find it there. Where the passes share
@@ -241,10 +244,12 @@ static void tile_amx(const uint16_t *x, long ldx, int rows, int valid_rows, cons
 
 /* linear_bf16_from through AMX tiles, in passes of up to AMX_ROWS rows, as even as they can be. The passes read
  * x in place, but for a last pass shorter than the others, which reads a copy zero-padded to their rows: the
- * tiles are configured once for all passes. Each weight tile is taken once, a block of its
- * columns at a time, and each block meets every pass while it and the pass's x stay in L1 (a whole tile
- * against a whole pass, 72 KB for K = 576, would run from L2); each pass's sums wait in memory between
- * blocks. Returns 0, or -1 without scratch memory. */
+ * tiles are configured once for all passes. Passes go in groups of AMX_GROUP_BYTES of x; within a group each
+ * weight tile is taken once, a block of its columns at a time, and each block meets every pass of the group
+ * while it and the pass's x stay in L1 (a whole tile against a whole pass, 72 KB for K = 576, would run from
+ * L2); each pass's sums wait in memory between blocks. A tile built into scratch (a quantized weight's,
+ * dequantized) is built once for all passes, in one group. Whatever the grouping, each sum adds the same
+ * products in the same order. Returns 0, or -1 without scratch memory. */
 static int linear_bf16_amx(const struct bf16_weight *w, pair_tile_fn tile_of, const void *source, int scratch,
                            const uint16_t *x, long ldx, int m, const uint16_t *bias, uint16_t *out, int threads) {
     int tiles = (w->n + TILE - 1) / TILE, pairs = w->k / 2, passes = (m + AMX_ROWS - 1) / AMX_ROWS, failed = 0;
@@ -252,6 +257,8 @@ static int linear_bf16_amx(const struct bf16_weight *w, pair_tile_fn tile_of, co
     int streaming = passes == 1 && !scratch; /* see tile_amx */
     long k = w->k;
     int last = (passes - 1) * rows; /* the last pass's first row */
+    int group = scratch ? m : AMX_GROUP_BYTES / (int)(2 * k) / rows * rows; /* rows a group */
+    if (group < rows) group = rows;
     uint16_t *tail = 0;
     if (m - last < rows) {
         tail = aligned_alloc(64, (sizeof(uint16_t) * rows * k + 63) / 64 * 64);
@@ -270,17 +277,20 @@ static int linear_bf16_amx(const struct bf16_weight *w, pair_tile_fn tile_of, co
         uint16_t *buffer = scratch ? aligned_alloc(64, sizeof(uint16_t) * k * TILE) : 0;
         failed = !sums || (scratch && !buffer);
         configure_tiles(rows);
-        for (int tile = tiles * t / nthreads; !failed && tile < tiles * (t + 1) / nthreads; tile++) {
-            const uint16_t *wt = tile_of(source, tile, buffer), *b = bias ? bias + tile * TILE : 0;
-            int valid = w->n - tile * TILE < TILE ? w->n - tile * TILE : TILE;
-            /* A block of the tile's columns meets every pass while it and the pass's x stay in L1. */
-            for (int p0 = 0; p0 < pairs; p0 += block) {
-                int p1 = p0 + block < pairs ? p0 + block : pairs;
-                for (int r = 0; r < m; r += rows) {
-                    int copied = tail && r == last;
-                    tile_amx(copied ? tail : x + r * ldx, copied ? k : ldx, rows, m - r < rows ? m - r : rows, wt,
-                             p0, p1, pairs, b, out + (long)r * w->n + tile * TILE, w->n, valid,
-                             sums + r / rows * TILE * TILE, streaming);
+        for (int g0 = 0; g0 < m; g0 += group) {
+            int g1 = g0 + group < m ? g0 + group : m;
+            for (int tile = tiles * t / nthreads; !failed && tile < tiles * (t + 1) / nthreads; tile++) {
+                const uint16_t *wt = tile_of(source, tile, buffer), *b = bias ? bias + tile * TILE : 0;
+                int valid = w->n - tile * TILE < TILE ? w->n - tile * TILE : TILE;
+                /* A block of the tile's columns meets every pass while it and the pass's x stay in L1. */
+                for (int p0 = 0; p0 < pairs; p0 += block) {
+                    int p1 = p0 + block < pairs ? p0 + block : pairs;
+                    for (int r = g0; r < g1; r += rows) {
+                        int copied = tail && r == last;
+                        tile_amx(copied ? tail : x + r * ldx, copied ? k : ldx, rows, m - r < rows ? m - r : rows,
+                                 wt, p0, p1, pairs, b, out + (long)r * w->n + tile * TILE, w->n, valid,
+                                 sums + r / rows * TILE * TILE, streaming);
+                    }
                 }
             }
         }
