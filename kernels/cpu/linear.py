@@ -366,9 +366,14 @@ def _fma_rows() -> int:
     return 0 if rows == _ALL else int(rows) + 1
 
 
-@cache
 def _dense_plan(n: int, k: int) -> _Plan:
-    """Native bf16 kernel or oneDNN, timed once per machine and weight shape on a random weight."""
+    """Native bf16 kernel or oneDNN, timed once per machine, weight shape and thread count (see
+    `_timed_plan`) on a random weight."""
+    return _dense_plan_on(n, k, torch.get_num_threads())
+
+
+@cache
+def _dense_plan_on(n: int, k: int, threads: int) -> _Plan:
     if not available():
         return _Plan(0, keep_other=True)
     if not prepacking_works(BF16):
@@ -381,7 +386,7 @@ def _dense_plan(n: int, k: int) -> _Plan:
         native, onednn = _BF16Tiles(weight, portable=not native_bf16()), _OneDNN(weight, pad=False)
         return _timed_plan(native, onednn, k, BF16, other_costs_memory=True, floor=floor)
 
-    return _remembered(f"bf16 [{n}, {k}] above {floor} rows", time_it)
+    return _remembered(f"bf16 [{n}, {k}] above {floor} rows on {threads} threads", time_it)
 
 
 def _forced_rows(native: bool, dense: bool = False) -> int:
@@ -628,8 +633,11 @@ def _random_weight(kind: type, n: int, k: int, group: int, act_order: bool) -> Q
 
 
 @cache
-def _quant_plan(kind: type, n: int, k: int, group: int, act_order: bool, dtype: torch.dtype) -> _Plan:
-    """Native kernel or dequantize + matmul, timed once per machine, format and shape on a random weight."""
+def _quant_plan(
+    kind: type, n: int, k: int, group: int, act_order: bool, dtype: torch.dtype, threads: int
+) -> _Plan:
+    """Native kernel or dequantize + matmul, timed once per machine, format, shape and thread count on a
+    random weight."""
 
     floor = _forced_rows(native_quant())
 
@@ -638,6 +646,7 @@ def _quant_plan(kind: type, n: int, k: int, group: int, act_order: bool, dtype: 
         return _timed_plan(tiles, _DequantizedMatmul(tiles), k, dtype, other_costs_memory=False, floor=floor)
 
     key = f"{kind.__name__} [{n}, {k}] group {group} act-order {act_order} {dtype} above {floor} rows"
+    key += f" on {threads} threads"
     return _remembered(key, time_it)
 
 
@@ -650,7 +659,9 @@ def _pack_quantized(weight: QuantizedWeight, dtype: torch.dtype) -> PackedLinear
         tiles = _QuantTiles(weight, portable=not native_quant())
     except ValueError:
         return PackedLinear(n, k, fallback, fallback, _ALL, fallback.rows, fallback.resident)
-    plan = _quant_plan(type(weight), n, k, weight.group_size, weight.perm is not None, dtype)
+    plan = _quant_plan(
+        type(weight), n, k, weight.group_size, weight.perm is not None, dtype, torch.get_num_threads()
+    )
     large = tiles if plan.native_rows == _ALL else _DequantizedMatmul(tiles)
     small_rows = max(plan.native_rows, _forced_rows(native_quant()))
     return PackedLinear(n, k, tiles, large, small_rows, tiles.rows, tiles.resident)

@@ -211,11 +211,11 @@ def test_dense_weights_serve_every_step_the_native_decoder_takes(monkeypatch, ge
 
     monkeypatch.setattr(cpu_linear, "_remembered", lambda key, time_it: time_it())
     monkeypatch.setattr(cpu_linear, "_timed_plan", onednn_faster_above_floor)
-    cpu_linear._dense_plan.cache_clear()
+    cpu_linear._dense_plan_on.cache_clear()
     try:
         packed = cpu_linear.pack(rand(gen, 576, 1536), BF16)
     finally:
-        cpu_linear._dense_plan.cache_clear()
+        cpu_linear._dense_plan_on.cache_clear()
     assert packed.small_rows >= cpu_linear.NATIVE_STEP_ROWS
 
 
