@@ -177,7 +177,7 @@ static void configure_tiles(int rows) {
 #define AMX_BLOCK_PAIRS 96
 /* Bytes of x a group of passes: every tile of a thread meets the group's rows while they stay in L2, so that a
  * step of many rows reads x from L2, not L3, once per tile (x of 1,000 rows by K = 1536 is 3 MB). */
-#define AMX_GROUP_BYTES (256 * 1024)
+#define AMX_GROUP_BYTES (512 * 1024)
 
 /* How far ahead a pass that streams its weight from memory asks for it: into L2 a few pages ahead, and into
  * L1 the block after the one it multiplies, so that the tile loads find it there. Where the passes share
@@ -185,13 +185,16 @@ static void configure_tiles(int rows) {
 #define AMX_STREAM_L2_BYTES 8192
 #define AMX_STREAM_L1_BYTES 2048
 
+/* What a pass asks for ahead of its loads: nothing (a block that an earlier pass of its group brought into L1),
+ * the weight PREFETCH_BYTES ahead into L2 (the group's first pass over a block), or the stream above. */
+enum { FETCH_NONE, FETCH_AHEAD, FETCH_STREAM };
+
 /* One weight tile's column pairs [p0, p1) against `rows` rows of x (configured by configure_tiles; x
  * holds that many, row stride ldx): the sums, [32][32] fp32 in `sums`, go on from there (start from zero
- * where p0 is 0); after the last pairs, the first `valid_rows` rows of them are stored. `streaming`: the
- * weight is read once, from memory (a step of one pass on a dense weight). */
+ * where p0 is 0); after the last pairs, the first `valid_rows` rows of them are stored. `fetch`: FETCH_*, with
+ * FETCH_STREAM where the weight is read once, from memory (a step of one pass on a dense weight). */
 static void tile_amx(const uint16_t *x, long ldx, int rows, int valid_rows, const uint16_t *w, int p0, int p1,
-                     int pairs, const uint16_t *bias, uint16_t *out, long ldo, int valid, float *sums,
-                     int streaming) {
+                     int pairs, const uint16_t *bias, uint16_t *out, long ldo, int valid, float *sums, int fetch) {
     int two = rows > 16;
     if (p0 == 0) {
         _tile_zero(4);
@@ -209,12 +212,12 @@ static void tile_amx(const uint16_t *x, long ldx, int rows, int valid_rows, cons
     }
     for (int p = p0; p < p1; p += 16) {
         const uint16_t *wp = w + (long)p * 2 * TILE;
-        if (streaming) {
+        if (fetch == FETCH_STREAM) {
             for (int line = 0; line < 32; line++) {
                 _mm_prefetch((const char *)wp + AMX_STREAM_L2_BYTES + 64 * line, _MM_HINT_T1);
                 _mm_prefetch((const char *)wp + AMX_STREAM_L1_BYTES + 64 * line, _MM_HINT_T0);
             }
-        } else {
+        } else if (fetch == FETCH_AHEAD) {
             for (int line = 0; line < 32; line++) _mm_prefetch((const char *)wp + PREFETCH_BYTES + 64 * line, _MM_HINT_T1);
         }
         _tile_loadd(0, x + 2 * p, 2 * ldx);
@@ -254,7 +257,7 @@ static int linear_bf16_amx(const struct bf16_weight *w, pair_tile_fn tile_of, co
                            const uint16_t *x, long ldx, int m, const uint16_t *bias, uint16_t *out, int threads) {
     int tiles = (w->n + TILE - 1) / TILE, pairs = w->k / 2, passes = (m + AMX_ROWS - 1) / AMX_ROWS, failed = 0;
     int rows = (m + passes - 1) / passes, block = passes > 1 ? AMX_BLOCK_PAIRS : pairs; /* one pass: no reuse */
-    int streaming = passes == 1 && !scratch; /* see tile_amx */
+    int streaming = passes == 1 && !scratch; /* the weight is read once, from memory */
     long k = w->k;
     int last = (passes - 1) * rows; /* the last pass's first row */
     int group = scratch ? m : AMX_GROUP_BYTES / (int)(2 * k) / rows * rows; /* rows a group */
@@ -289,7 +292,8 @@ static int linear_bf16_amx(const struct bf16_weight *w, pair_tile_fn tile_of, co
                         int copied = tail && r == last;
                         tile_amx(copied ? tail : x + r * ldx, copied ? k : ldx, rows, m - r < rows ? m - r : rows,
                                  wt, p0, p1, pairs, b, out + (long)r * w->n + tile * TILE, w->n, valid,
-                                 sums + r / rows * TILE * TILE, streaming);
+                                 sums + r / rows * TILE * TILE,
+                                 streaming ? FETCH_STREAM : r == g0 ? FETCH_AHEAD : FETCH_NONE);
                     }
                 }
             }
