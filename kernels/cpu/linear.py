@@ -252,12 +252,14 @@ def _timed_plan(
     one_thread: bool = False,
 ) -> _Plan:
     """Times two routines on random rows (interleaved, best of a few) and finds up to how many rows the
-    native one is the faster: all of them if it is at `_LARGE_ROWS` rows (its lead shrinks as rows grow),
-    else by halving the candidates above `floor`, the rows the native routine serves whatever the timing
-    (below `floor` its lead need not shrink with rows: with AMX the bf16 kernel loses to oneDNN from about 8
-    rows and wins again from 21, where its AMX routine starts). Where the other routine needs its own copy of
-    the weight, the native one serves every row count if it is within a tenth of the other at `_LARGE_ROWS`
-    rows, sparing that copy.
+    native one is the faster: all of them if it is at half `_LARGE_ROWS` and at `_LARGE_ROWS` rows (its lead
+    shrinks as rows grow), else by halving the candidates above `floor`, the rows the native routine serves
+    whatever the timing (below `floor` its lead need not shrink with rows: with AMX the bf16 kernel loses to
+    oneDNN from about 8 rows and wins again from 21, where its AMX routine starts). Where the other routine
+    needs its own copy of the weight, the native one serves every row count if it is within a tenth of the
+    other at both row counts, sparing that copy: oneDNN's rate varies from one row count to the next, so one
+    count alone could land in one of its slow splits ([3072, 576] on two threads: within a tenth of ours at
+    512 rows, 15-30 % ahead at 256 and 1,000).
 
     Timed on the threads the engine runs with: oneDNN does not split every shape's work evenly over them
     (two threads on [1000, 1536] x [1536, 576] took as long as one, and on 384-1000 rows of [576, 576] or
@@ -285,7 +287,8 @@ def _timed_plan(
 
 
 def _search(native_faster: Callable[..., bool], other_costs_memory: bool, floor: int = 0) -> _Plan:
-    if native_faster(_LARGE_ROWS, margin=1.1 if other_costs_memory else 1.0):
+    margin = 1.1 if other_costs_memory else 1.0
+    if all(native_faster(rows, margin) for rows in (_LARGE_ROWS // 2, _LARGE_ROWS)):
         return _Plan(_ALL, keep_other=False)
     candidates = [rows for rows in _CANDIDATE_ROWS if rows > floor]
     low, high = 0, len(candidates)  # candidates[:low] measured faster, candidates[high:] not
