@@ -42,9 +42,10 @@ _LARGE_ROWS = 512  # the row count at which a routine for prompts (many rows) is
 _CANDIDATE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256)  # where a crossover is looked for
 _ALL = math.inf
 # Up to this many rows, a quantized weight's tiles dequantized one at a time into AMX beat the weight
-# dequantized whole for oneDNN; beyond, oneDNN's AMX matmul, blocked for many rows, outruns our AMX routine,
-# whose passes of x then no longer stay in L2.
-_AMX_TILE_ROWS = 768
+# dequantized whole for oneDNN (Q4_1 layer of the bundled model, two threads: 1,000 rows 2.7 ms against 4.3,
+# 2,048 rows 5.6 against 5.8); beyond, oneDNN's AMX matmul, blocked for many rows, outruns our AMX routine
+# (gate_up at 3,000 rows: 4.6 ms against 3.7).
+_AMX_TILE_ROWS = 2048
 # Steps of up to this many rows give each row the bits it gets alone (see _amx_rows): the native kernels serve
 # them even where oneDNN measures faster, and take AMX only beyond.
 SAME_BITS_ROWS = 20
@@ -546,7 +547,8 @@ class _QuantTiles:
 class _DequantizedMatmul:
     """For many rows: what a bf16 copy of the weight would run. Where the bf16 kernel serves a weight of this
     shape at every row count (`_dense_plan`), the C side dequantizes one tile of outputs at a time into its
-    pair tiles and runs it there, a tile's worth of memory a thread (`linear_quant_bf16`). With AMX it does
+    pair tiles and runs it there, a tile's worth of memory a thread (`linear_quant_bf16`; with AMX, a step
+    whose rows run in several groups keeps a thread's share of the tiles for the call). With AMX it does
     so up to `_AMX_TILE_ROWS` rows: there that beats dequantizing the whole weight for oneDNN, which must
     also reorder it on every call, even where oneDNN beats the bf16 kernel on a prepacked copy. Elsewhere
     (and beyond) the weight is dequantized whole for the call (C, all threads), then F.linear (oneDNN or

@@ -397,7 +397,7 @@ def test_without_quantized_weights_the_prefetch_distance_is_left_alone(gen, pref
 
 
 @needs_native
-@pytest.mark.parametrize("rows", [1, 33, 300, 800])
+@pytest.mark.parametrize("rows", [1, 33, 300, 800, 2100])
 def test_dequantized_matmul_routine(gen, rows):
     """What `pack` runs instead of the native kernel for many rows where that measures faster: tile by tile,
     or (with AMX, beyond `_AMX_TILE_ROWS` rows) the weight dequantized whole."""
@@ -428,6 +428,22 @@ def test_quantized_tiles_dequantized_to_bf16_give_the_bf16_kernels_bits(gen, fmt
     dense = weight.dequantize().to(BF16)
     if weight.perm is None:
         assert torch.equal(out, cpu_linear._BF16Tiles(dense, portable=portable)(x, bias))
+    assert_matches(out, x, dense, bias)
+
+
+@needs_native
+@needs_amx
+def test_quantized_tiles_kept_across_groups_of_passes_give_the_bf16_kernels_bits(gen):
+    """A step of many rows runs its passes in groups; each thread dequantizes its tiles in the first group and
+    keeps them for the others (301 rows at K = 1536 are two groups): the bits of the bf16 kernel on the
+    weight dequantized to bf16."""
+    torch.set_num_threads(2)
+    weight = int4_weight(70, 1536, 32, gen)
+    routine = cpu_linear._DequantizedMatmul(cpu_linear._QuantTiles(weight))
+    x, bias = rand(gen, 301, 1536) * torch.rand(301, 1536, generator=gen).to(BF16) * 8, rand(gen, 70)
+    dense = weight.dequantize().to(BF16)
+    out = routine._tiles_in_bf16(x, bias)
+    assert torch.equal(out, cpu_linear._BF16Tiles(dense, amx_rows=1)(x, bias))
     assert_matches(out, x, dense, bias)
 
 

@@ -251,8 +251,9 @@ static void tile_amx(const uint16_t *x, long ldx, int rows, int valid_rows, cons
  * weight tile is taken once, a block of its columns at a time, and each block meets every pass of the group
  * while it and the pass's x stay in L1 (a whole tile against a whole pass, 72 KB for K = 576, would run from
  * L2); each pass's sums wait in memory between blocks. A tile built into scratch (a quantized weight's,
- * dequantized) is built once for all passes, in one group. Whatever the grouping, each sum adds the same
- * products in the same order. Returns 0, or -1 without scratch memory. */
+ * dequantized) is built once, in the first group, and kept for the later ones: a thread keeps its share of
+ * the tiles, as much memory as its share of a dense copy, for the call. Whatever the grouping, each sum adds
+ * the same products in the same order. Returns 0, or -1 without scratch memory. */
 static int linear_bf16_amx(const struct bf16_weight *w, pair_tile_fn tile_of, const void *source, int scratch,
                            const uint16_t *x, long ldx, int m, const uint16_t *bias, uint16_t *out, int threads) {
     int tiles = (w->n + TILE - 1) / TILE, pairs = w->k / 2, passes = (m + AMX_ROWS - 1) / AMX_ROWS, failed = 0;
@@ -260,8 +261,9 @@ static int linear_bf16_amx(const struct bf16_weight *w, pair_tile_fn tile_of, co
     int streaming = passes == 1 && !scratch; /* the weight is read once, from memory */
     long k = w->k;
     int last = (passes - 1) * rows; /* the last pass's first row */
-    int group = scratch ? m : AMX_GROUP_BYTES / (int)(2 * k) / rows * rows; /* rows a group */
+    int group = AMX_GROUP_BYTES / (int)(2 * k) / rows * rows; /* rows a group */
     if (group < rows) group = rows;
+    int kept = scratch && group < m; /* built tiles are kept for the later groups */
     uint16_t *tail = 0;
     if (m - last < rows) {
         tail = aligned_alloc(64, (sizeof(uint16_t) * rows * k + 63) / 64 * 64);
@@ -276,14 +278,17 @@ static int linear_bf16_amx(const struct bf16_weight *w, pair_tile_fn tile_of, co
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         int t = omp_get_thread_num(), nthreads = omp_get_num_threads();
+        int first = tiles * t / nthreads, own = tiles * (t + 1) / nthreads - first;
         float *sums = aligned_alloc(64, sizeof(float) * TILE * TILE * passes); /* each pass's */
-        uint16_t *buffer = scratch ? aligned_alloc(64, sizeof(uint16_t) * k * TILE) : 0;
+        uint16_t *buffer = scratch ? aligned_alloc(64, sizeof(uint16_t) * k * TILE * (kept && own ? own : 1)) : 0;
         failed = !sums || (scratch && !buffer);
         configure_tiles(rows);
         for (int g0 = 0; g0 < m; g0 += group) {
             int g1 = g0 + group < m ? g0 + group : m;
-            for (int tile = tiles * t / nthreads; !failed && tile < tiles * (t + 1) / nthreads; tile++) {
-                const uint16_t *wt = tile_of(source, tile, buffer), *b = bias ? bias + tile * TILE : 0;
+            for (int tile = first; !failed && tile < first + own; tile++) {
+                uint16_t *slot = kept ? buffer + (tile - first) * k * TILE : buffer;
+                const uint16_t *wt = kept && g0 > 0 ? slot : tile_of(source, tile, slot);
+                const uint16_t *b = bias ? bias + tile * TILE : 0;
                 int valid = w->n - tile * TILE < TILE ? w->n - tile * TILE : TILE;
                 /* A block of the tile's columns meets every pass while it and the pass's x stay in L1. */
                 for (int p0 = 0; p0 < pairs; p0 += block) {
