@@ -86,6 +86,11 @@ def rand(gen: torch.Generator, *shape: int, dtype=BF16) -> torch.Tensor:
     return torch.randn(*shape, generator=gen).to(dtype)
 
 
+def spread(gen: torch.Generator, rows: int, k: int) -> torch.Tensor:
+    """bf16 rows whose magnitudes spread over decades: where two routines' sums could round apart."""
+    return rand(gen, rows, k) * torch.rand(rows, k, generator=gen).to(BF16) * 8
+
+
 # -------------------------------------------------------------------------------------------- dense bf16
 
 DENSE_ROUTINES = {
@@ -132,7 +137,7 @@ def test_dense_bf16_fma_and_vdpbf16_give_the_same_bits(gen, shape):
     weight, bias = rand(gen, n, k), rand(gen, n)
     vdpbf16 = cpu_linear._BF16Tiles(weight, fma_rows=0, amx_rows=0)
     fma = cpu_linear._BF16Tiles(weight, fma_rows=1, amx_rows=0)
-    wide = rand(gen, 40, k + 9) * torch.rand(40, k + 9, generator=gen).to(BF16) * 8
+    wide = spread(gen, 40, k + 9)
     for rows in (1, 4, 13, 40):
         x = wide[:rows, 3 : 3 + k]  # strided rows, magnitudes spread over decades
         assert torch.equal(fma(x, bias), vdpbf16(x, bias)), rows
@@ -167,7 +172,7 @@ def test_dense_bf16_amx_passes_in_groups_give_a_row_the_bits_of_one_pass(gen, sh
     n, k = shape
     weight, bias = rand(gen, n, k), rand(gen, n)
     routine = cpu_linear._BF16Tiles(weight, amx_rows=1)
-    x = rand(gen, most, k) * torch.rand(most, k, generator=gen).to(BF16) * 8
+    x = spread(gen, most, k)
     one_pass = torch.cat([routine(x[r : r + 25], bias) for r in range(0, most, 25)])
     for rows in (most - 1, most):
         assert torch.equal(routine(x[:rows], bias), one_pass[:rows]), rows
@@ -183,7 +188,7 @@ def test_dense_bf16_rows_get_their_own_bits_in_steps_of_up_to_20(gen):
     weight, bias = rand(gen, 576, 1536), rand(gen, 576)
     routine = cpu_linear._BF16Tiles(weight)
     most = cpu_linear.SAME_BITS_ROWS
-    x = rand(gen, most, 1536) * torch.rand(most, 1536, generator=gen).to(BF16) * 8
+    x = spread(gen, most, 1536)
     alone = torch.cat([routine(x[r : r + 1], bias) for r in range(most)])
     for rows in (2, 5, 13, most):
         assert torch.equal(routine(x[:rows], bias), alone[:rows]), rows
@@ -440,7 +445,7 @@ def test_quantized_tiles_kept_across_groups_of_passes_give_the_bf16_kernels_bits
     torch.set_num_threads(2)
     weight = int4_weight(70, 1536, 32, gen)
     routine = cpu_linear._DequantizedMatmul(cpu_linear._QuantTiles(weight))
-    x, bias = rand(gen, 301, 1536) * torch.rand(301, 1536, generator=gen).to(BF16) * 8, rand(gen, 70)
+    x, bias = spread(gen, 301, 1536), rand(gen, 70)
     dense = weight.dequantize().to(BF16)
     out = routine._tiles_in_bf16(x, bias)
     assert torch.equal(out, cpu_linear._BF16Tiles(dense, amx_rows=1)(x, bias))

@@ -1,5 +1,6 @@
-/* AMX tile state, shared by the kernels that multiply through tiles (linear_bf16.c, paged_extend.c): Linux's
- * permission to use it, and the layout of a tile configuration. */
+/* AMX tile state, shared by the kernels that multiply through tiles (linear_bf16.c, paged_decode.c,
+ * paged_extend.c): Linux's permission to use it, the layout of a tile configuration, the attention kernels'
+ * configuration and their P V step. */
 #ifndef LLMSERVE_AMX_H
 #define LLMSERVE_AMX_H
 
