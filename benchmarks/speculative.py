@@ -14,10 +14,13 @@ pass `SAME_BITS_ROWS`, and proposes nothing for quantized weights on a CPU witho
 turns on every batch of documents, in an order that rotates, and each engine's rate is its tokens over its
 seconds summed over all batches and repeats: on a shared machine whose speed drifts by tens of percent
 within a minute, every engine then meets the same drift.
-Rates count the whole job, prompts' prefill included (the same work with and without speculation), and,
-as `decode_*`, only the decoding, from the batch's last first token on. `speedup_ceiling` is what the whole
-job would gain were decoding free: the plain engine's job time over its time up to the last first token,
-which speculation cannot shorten. Prefix caching is off, so that every
+Beside each acceptance rate, `steps_with_proposals` (the share of the speculating engine's decode steps, a
+sequence each, that had proposals to verify; the others run as plain decoding does) and
+`mean_acceptance_length` (tokens a verification gives, its own included) say how much of the decoding
+speculation reached. Rates count the whole job, prompts' prefill included (the same work with and without
+speculation), and, as `decode_*`, only the decoding, from the batch's last first token on.
+`speedup_ceiling` is what the whole job would gain were decoding free: the plain engine's job time over its
+time up to the last first token, which speculation cannot shorten. Prefix caching is off, so that every
 repeat prefills every document as a bulk job of new documents would.
 JSON and a PNG plot under benchmarks/results/.
 """
@@ -72,6 +75,11 @@ class Turn:
     outputs: list[list[int]]
 
 
+def counts(proposer) -> tuple[int, int, int]:
+    """The proposer's verifications of proposals, tokens proposed and tokens accepted so far."""
+    return proposer.num_drafts, proposer.num_draft_tokens, proposer.num_accepted_tokens
+
+
 def timed(llm: LLM, prompts: list[str]) -> Turn:
     """The prompts generated together."""
     params = SamplingParams(temperature=0, max_tokens=SUMMARY_TOKENS, ignore_eos=True)
@@ -115,7 +123,7 @@ def main() -> None:
     result = {"threads": args.threads, "dtype": args.dtype, "speculative_config": ngram, "batches": {}}
     for batch in args.batches:
         proposer = engines["ngram"].llm_engine.proposer
-        drafted, accepted = proposer.num_draft_tokens, proposer.num_accepted_tokens
+        before = counts(proposer)
         seconds, decode_seconds = dict.fromkeys(engines, 0.0), dict.fromkeys(engines, 0.0)
         tokens, decode_tokens = dict.fromkeys(engines, 0), dict.fromkeys(engines, 0)
         differing = dict.fromkeys(engines, 0)
@@ -140,12 +148,16 @@ def main() -> None:
                 assert not any(differing.values()), "speculation changed greedy outputs"
         rate = {name: tokens[name] / seconds[name] for name in engines}
         decode_rate = {name: decode_tokens[name] / decode_seconds[name] for name in engines}
-        drafted, accepted = proposer.num_draft_tokens - drafted, proposer.num_accepted_tokens - accepted
+        drafts, drafted, accepted = (now - then for now, then in zip(counts(proposer), before, strict=True))
+        # Each sequence's decode step gives one token of its own plus the proposals it accepted.
+        steps = decode_tokens["ngram"] - accepted
         result["batches"][batch] = {
             "plain_tokens_per_s": rate["plain"],
             "ngram_tokens_per_s": rate["ngram"],
             "speedup": rate["ngram"] / rate["plain"],
             "acceptance_rate": accepted / max(drafted, 1),
+            "steps_with_proposals": drafts / steps,
+            "mean_acceptance_length": 1 + accepted / max(drafts, 1),
             "default_tokens_per_s": rate["ngram_default"],
             "default_speedup": rate["ngram_default"] / rate["plain"],
             "decode_tokens_per_s": decode_rate,

@@ -77,6 +77,7 @@ class LLMEngine:
         self.generation_tokens_total = 0
         self._last_log = time.monotonic()
         self._logged_tokens = 0
+        self._logged_drafts = (0, 0, 0)  # the proposer's counts (`_log_speculation`) at the last log
         logger.info(
             "engine ready: model=%s device=%s dtype=%s attention=%s kv_blocks=%d x %d tokens (%.1f MiB)",
             self.model_name,
@@ -485,6 +486,7 @@ class LLMEngine:
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
             "prefix_cache_hit_tokens": self.block_manager.num_cache_hits,
+            **(self.proposer.stats() if self.proposer is not None else {}),
         }
 
     def _maybe_log_stats(self) -> None:
@@ -503,6 +505,23 @@ class LLMEngine:
             s["num_preemptions"],
         )
         self._last_log, self._logged_tokens = now, self.generation_tokens_total
+        if self.proposer is not None:
+            self._log_speculation()
+
+    def _log_speculation(self) -> None:
+        """Since the last log: mean acceptance length (tokens a verification of proposals gave, its own
+        included) and the share of proposed tokens accepted, as vLLM logs them; nothing without proposals."""
+        p = self.proposer
+        counts = (p.num_drafts, p.num_draft_tokens, p.num_accepted_tokens)
+        drafts, proposed, accepted = (a - b for a, b in zip(counts, self._logged_drafts, strict=True))
+        self._logged_drafts = counts
+        if drafts:
+            logger.info(
+                "speculative decoding: mean acceptance length=%.2f acceptance rate=%.1f%% drafts=%d",
+                1 + accepted / drafts,
+                100 * accepted / proposed,
+                drafts,
+            )
 
 
 def _refusal(error: BaseException) -> EngineError:

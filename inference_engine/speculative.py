@@ -110,8 +110,12 @@ class NgramProposer:
         self.config = config
         self.max_model_len = max_model_len
         self.confident_match = CPU_CONFIDENT_MATCH if device == "cpu" else 0
-        self.num_draft_tokens = 0  # proposed and verified, for stats
+        # For stats, as vLLM counts them: verifications of a sequence's proposals, the tokens proposed, the
+        # tokens accepted, and how often the token at each position of a proposal was accepted.
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        self.accepted_per_position = [0] * config.num_speculative_tokens
 
     def propose(self, running: list[Sequence]) -> None:
         """Sets `draft_token_ids` of every running sequence that decodes next (none above the batch limit)."""
@@ -137,5 +141,18 @@ class NgramProposer:
         )
 
     def record(self, proposed: int, accepted: int) -> None:
+        """A verification of a sequence's `proposed` tokens, whose first `accepted` the model agreed with."""
+        self.num_drafts += 1
         self.num_draft_tokens += proposed
         self.num_accepted_tokens += accepted
+        for position in range(accepted):
+            self.accepted_per_position[position] += 1
+
+    def stats(self) -> dict:
+        """The counters, under the names of the engine's stats (and of vLLM's metrics)."""
+        return {
+            "spec_decode_num_drafts": self.num_drafts,
+            "spec_decode_num_draft_tokens": self.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_position),
+        }

@@ -5,8 +5,9 @@ Two sources. The web processes observe each engine request as they stream it (`R
 finished requests by finish reason, and prompt / generated token counts per request. These live in
 prometheus_client's multiprocess mode when ``PROMETHEUS_MULTIPROC_DIR`` names a directory (the host
 project's settings set one, and its run command empties it at start), so that several web workers add up;
-without it, in this process. Engine state (running / waiting requests, KV usage, token totals, preemptions)
-comes from the replicas' heartbeats when /metrics is scraped.
+without it, in this process. Engine state (running / waiting requests, KV usage, token totals, preemptions,
+speculative decoding's drafts and accepted tokens) comes from the replicas' heartbeats when /metrics is
+scraped.
 
 The two agree: one engine request is one ``request_success`` (per sample, as vLLM counts the n samples of a
 request), one time-to-first-token observation per sample that produced a token, and the sums of
@@ -16,6 +17,7 @@ request), one time-to-first-token observation per sample that produced a token, 
 
 from __future__ import annotations
 
+import collections
 import os
 import time
 from collections.abc import Iterable, Iterator
@@ -167,6 +169,27 @@ _ENGINE_METRICS = (
         "prefix_cache_hit_tokens",
         sum,
     ),
+    (
+        "spec_decode_num_drafts",
+        "counter",
+        "Verifications of a sequence's speculative proposals.",
+        "spec_decode_num_drafts",
+        sum,
+    ),
+    (
+        "spec_decode_num_draft_tokens",
+        "counter",
+        "Speculative tokens proposed and verified.",
+        "spec_decode_num_draft_tokens",
+        sum,
+    ),
+    (
+        "spec_decode_num_accepted_tokens",
+        "counter",
+        "Speculative tokens the model agreed with.",
+        "spec_decode_num_accepted_tokens",
+        sum,
+    ),
 )
 
 
@@ -184,12 +207,30 @@ class _EngineCollector:
                 values = [r.data.get("stats", {}).get(stat, 0) for r in model.replicas]
                 family.add_metric([model.name], aggregate(values))
             yield family
+        yield self._accepted_per_position()
         replicas = GaugeMetricFamily(
             PREFIX + "engine_replicas", "Live engine replicas.", labels=["model_name"]
         )
         for model in self.models:
             replicas.add_metric([model.name], len(model.replicas))
         yield replicas
+
+    def _accepted_per_position(self) -> Metric:
+        """How often the token at each position of a proposal was accepted, summed over replicas (models
+        without speculation have no samples)."""
+        family = CounterMetricFamily(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Accepted speculative tokens by their position in the proposal.",
+            labels=["model_name", "position"],
+        )
+        for model in self.models:
+            totals: collections.Counter[int] = collections.Counter()
+            for replica in model.replicas:
+                counts = replica.data.get("stats", {}).get("spec_decode_num_accepted_tokens_per_pos", [])
+                totals.update(dict(enumerate(counts)))
+            for position in sorted(totals):
+                family.add_metric([model.name, str(position)], totals[position])
+        return family
 
 
 class _Aliased:

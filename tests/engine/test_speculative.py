@@ -3,14 +3,18 @@ draft tokens rolled back (even when every proposal is wrong), every KV block fre
 
 from __future__ import annotations
 
+import json
+import logging
 import random
 
 import pytest
 
 from inference_engine import LLM, SamplingParams, speculative
+from inference_engine.bus.protocol import ModelInfo, ReplicaInfo
 from inference_engine.errors import InvalidRequestError
 from inference_engine.speculative import NgramConfig, ngram_proposal
 from kernels.cpu.linear import SAME_BITS_ROWS, cheap_quant_rows
+from llmserve import metrics
 
 from .conftest import PROMPTS, assert_all_blocks_free, greedy
 
@@ -140,6 +144,63 @@ def test_a_limit_of_zero_proposes_nothing(spec_llm, monkeypatch):
     spec_llm.generate(QUOTING[:1], greedy(8, ignore_eos=True), use_tqdm=False)
     assert proposer.num_draft_tokens == drafted
     assert_all_blocks_free(spec_llm)
+
+
+def test_counters_follow_each_verification():
+    """vLLM's counters: a verification of proposals is one draft; position i counts the drafts whose i-th
+    token was accepted."""
+    proposer = speculative.NgramProposer(NgramConfig.from_dict(NGRAM), 100)
+    for proposed, accepted in ((4, 2), (3, 3), (2, 0)):
+        proposer.record(proposed, accepted)
+    assert proposer.stats() == {
+        "spec_decode_num_drafts": 3,
+        "spec_decode_num_draft_tokens": 9,
+        "spec_decode_num_accepted_tokens": 5,
+        "spec_decode_num_accepted_tokens_per_pos": [2, 2, 1, 0],
+    }
+
+
+def test_speculation_counters_reach_the_log_and_the_metrics(spec_llm, caplog):
+    engine = spec_llm.llm_engine
+    engine._log_speculation()  # the log then covers the requests below only
+    before = engine.stats()
+    spec_llm.generate(QUOTING, greedy(16, ignore_eos=True), use_tqdm=False)
+    stats = json.loads(json.dumps(engine.stats()))  # as a heartbeat carries them to the web processes
+    drafts, proposed, accepted = (
+        stats[f"spec_decode_num_{key}"] - before[f"spec_decode_num_{key}"]
+        for key in ("drafts", "draft_tokens", "accepted_tokens")
+    )
+    assert drafts > 0 and accepted > 0
+    per_position = stats["spec_decode_num_accepted_tokens_per_pos"]
+    assert len(per_position) == NGRAM["num_speculative_tokens"]
+    assert sum(per_position) == stats["spec_decode_num_accepted_tokens"]
+    assert per_position == sorted(per_position, reverse=True)  # a token counts only after the ones before it
+    assert per_position[0] <= stats["spec_decode_num_drafts"]
+
+    with caplog.at_level(logging.INFO, logger="inference_engine.llm_engine"):
+        engine._log_speculation()
+        engine._log_speculation()  # nothing verified since: no line
+    assert [r.getMessage() for r in caplog.records] == [
+        f"speculative decoding: mean acceptance length={1 + accepted / drafts:.2f} "
+        f"acceptance rate={100 * accepted / proposed:.1f}% drafts={drafts}"
+    ]
+
+    # Two replicas of one model, the second proposing two tokens at most: summed, position by position.
+    other = {**stats, "spec_decode_num_accepted_tokens_per_pos": [5, 1]}
+    plain = {key: value for key, value in stats.items() if not key.startswith("spec_decode")}
+    replicas = [ReplicaInfo("a", "m", {"stats": stats}), ReplicaInfo("b", "m", {"stats": other})]
+    models = [ModelInfo("m", replicas), ModelInfo("plain", [ReplicaInfo("c", "plain", {"stats": plain})])]
+    text = metrics.render(models).decode()
+    samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
+    for prefix in ("llmserve_", "vllm:"):
+        drafts_total = float(samples[prefix + 'spec_decode_num_drafts_total{model_name="m"}'])
+        assert drafts_total == 2 * stats["spec_decode_num_drafts"]
+        per_pos = prefix + 'spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="%d"}'
+        assert float(samples[per_pos % 0]) == per_position[0] + 5
+        assert float(samples[per_pos % 1]) == per_position[1] + 1
+        assert float(samples[per_pos % 3]) == per_position[3]
+        assert per_pos % 4 not in samples
+    assert not any('model_name="plain",position' in line for line in text.splitlines())
 
 
 def quantized_cpu_limit() -> int:
