@@ -7,7 +7,8 @@ prometheus_client's multiprocess mode when ``PROMETHEUS_MULTIPROC_DIR`` names a 
 project's settings set one, and its run command empties it at start), so that several web workers add up;
 without it, in this process. Engine state (running / waiting requests, KV usage, token totals, preemptions,
 speculative decoding's drafts and accepted tokens) comes from the replicas' heartbeats when /metrics is
-scraped.
+scraped; a model has a sample of each such metric where its replicas report it (speculative decoding's only
+where it is configured, as vLLM registers them).
 
 The two agree: one engine request is one ``request_success`` (per sample, as vLLM counts the n samples of a
 request), one time-to-first-token observation per sample that produced a token, and the sums of
@@ -204,8 +205,9 @@ class _EngineCollector:
             family_class = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
             family = family_class(PREFIX + name, help_text, labels=["model_name"])
             for model in self.models:
-                values = [r.data.get("stats", {}).get(stat, 0) for r in model.replicas]
-                family.add_metric([model.name], aggregate(values))
+                stats = [r.data.get("stats", {}) for r in model.replicas]
+                if any(stat in s for s in stats):
+                    family.add_metric([model.name], aggregate([s.get(stat, 0) for s in stats]))
             yield family
         yield self._accepted_per_position()
         replicas = GaugeMetricFamily(
