@@ -75,11 +75,6 @@ class Turn:
     outputs: list[list[int]]
 
 
-def counts(proposer) -> tuple[int, int, int]:
-    """The proposer's verifications of proposals, tokens proposed and tokens accepted so far."""
-    return proposer.num_drafts, proposer.num_draft_tokens, proposer.num_accepted_tokens
-
-
 def timed(llm: LLM, prompts: list[str]) -> Turn:
     """The prompts generated together."""
     params = SamplingParams(temperature=0, max_tokens=SUMMARY_TOKENS, ignore_eos=True)
@@ -123,7 +118,7 @@ def main() -> None:
     result = {"threads": args.threads, "dtype": args.dtype, "speculative_config": ngram, "batches": {}}
     for batch in args.batches:
         proposer = engines["ngram"].llm_engine.proposer
-        before = counts(proposer)
+        before = proposer.totals()
         seconds, decode_seconds = dict.fromkeys(engines, 0.0), dict.fromkeys(engines, 0.0)
         tokens, decode_tokens = dict.fromkeys(engines, 0), dict.fromkeys(engines, 0)
         differing = dict.fromkeys(engines, 0)
@@ -148,7 +143,7 @@ def main() -> None:
                 assert not any(differing.values()), "speculation changed greedy outputs"
         rate = {name: tokens[name] / seconds[name] for name in engines}
         decode_rate = {name: decode_tokens[name] / decode_seconds[name] for name in engines}
-        drafts, drafted, accepted = (now - then for now, then in zip(counts(proposer), before, strict=True))
+        drafts, drafted, accepted = (now - then for now, then in zip(proposer.totals(), before, strict=True))
         # Each sequence's decode step gives one token of its own plus the proposals it accepted.
         steps = decode_tokens["ngram"] - accepted
         result["batches"][batch] = {

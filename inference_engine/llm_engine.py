@@ -77,7 +77,7 @@ class LLMEngine:
         self.generation_tokens_total = 0
         self._last_log = time.monotonic()
         self._logged_tokens = 0
-        self._logged_drafts = (0, 0, 0)  # the proposer's counts (`_log_speculation`) at the last log
+        self._logged_drafts = (0, 0, 0)  # the proposer's totals() at the last log
         logger.info(
             "engine ready: model=%s device=%s dtype=%s attention=%s kv_blocks=%d x %d tokens (%.1f MiB)",
             self.model_name,
@@ -511,10 +511,9 @@ class LLMEngine:
     def _log_speculation(self) -> None:
         """Since the last log: mean acceptance length (tokens a verification of proposals gave, its own
         included) and the share of proposed tokens accepted, as vLLM logs them; nothing without proposals."""
-        p = self.proposer
-        counts = (p.num_drafts, p.num_draft_tokens, p.num_accepted_tokens)
-        drafts, proposed, accepted = (a - b for a, b in zip(counts, self._logged_drafts, strict=True))
-        self._logged_drafts = counts
+        totals = self.proposer.totals()
+        drafts, proposed, accepted = (a - b for a, b in zip(totals, self._logged_drafts, strict=True))
+        self._logged_drafts = totals
         if drafts:
             logger.info(
                 "speculative decoding: mean acceptance length=%.2f acceptance rate=%.1f%% drafts=%d",

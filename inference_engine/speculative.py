@@ -148,6 +148,11 @@ class NgramProposer:
         for position in range(accepted):
             self.accepted_per_position[position] += 1
 
+    def totals(self) -> tuple[int, int, int]:
+        """Verifications of proposals, tokens proposed and tokens accepted so far: what a rate over an
+        interval takes the difference of."""
+        return self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens
+
     def stats(self) -> dict:
         """The counters, under the names of the engine's stats (and of vLLM's metrics)."""
         return {

@@ -682,7 +682,8 @@ static const uint16_t *dequantized_pair_tile(const void *source, int tile, uint1
  * its cache while the bf16 kernel's routines (vdpbf16ps, its FMAs from `fma_rows` rows, AMX from `amx_rows`,
  * as a dense copy's plan would take them) run every row against it (AMX, rows in several groups: each thread
  * keeps its tiles for the call, see linear_bf16_amx). No dense copy of the weight is kept. x bf16 [m, k] (the
- * padded columns zero, columns in stored order) with row stride ldx; out bf16 [m, n]; bias bf16 [n] or null. Returns 0, or -1 where a buffer could not be had. */
+ * padded columns zero, columns in stored order) with row stride ldx; out bf16 [m, n]; bias bf16 [n] or null.
+ * Returns 0, or -1 where a buffer could not be had. */
 int linear_quant_bf16(const struct qweight *w, const uint16_t *x, long ldx, int m, int fma_rows, int amx_rows,
                       const uint16_t *bias, uint16_t *out, int num_threads) {
     struct bf16_weight dense = {0, w->n, w->k, w->portable, fma_rows, amx_rows};
