@@ -4,10 +4,7 @@
 abort them, any other engine call) that the loop thread runs between two steps, and every request's
 outputs go to the sink its caller registered with it. So `LLM.generate` calls from any number of threads
 and `AsyncLLM` streams from event loops all join one continuous batch, and an abort takes effect before
-the next step. The thread runs while requests are in flight and for `LINGER_SECONDS` after: an engine idle
-longer holds no thread. A call soon after the last one (a script's or an agent's next call) finds the thread
-and its OpenMP team as they were; a new thread's team ran its first forward pass about 1.5x slower (both
-threads start on one core until Linux spreads them: bound to cores, they showed no difference).
+the next step. The thread runs only while requests are in flight: an idle engine holds no thread.
 
 The engine is also built on a thread of its own, one that ends. OpenMP (libgomp, which torch and our native
 kernels share) keeps a pool of workers for every thread that ran a parallel region; once the pooled threads
@@ -38,8 +35,6 @@ from inference_engine.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-LINGER_SECONDS = 2.0
 
 # Receives each RequestOutput of its requests (the last one has finished=True), or the exception that
 # ended them. It runs on the loop thread, so it must only hand the item over (to a queue, an event loop).
@@ -88,7 +83,6 @@ class EngineLoop:
         self.engine = engine
         self._threads = torch.get_num_threads()  # OpenMP's count is per thread: the creator's, for the loop
         self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)  # new commands for an idle, lingering thread
         self._commands: deque[Callable[[], None]] = deque()
         self._thread: threading.Thread | None = None
         self._sinks: dict[str, Sink] = {}  # requests in flight; touched only on the loop thread
@@ -136,7 +130,6 @@ class EngineLoop:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="llm-engine-loop", daemon=True)
                 self._thread.start()
-            self._wake.notify()
         return future
 
     @classmethod
@@ -173,12 +166,10 @@ class EngineLoop:
 
     def _iterate(self) -> bool:
         with self._lock:
-            if not self._commands and not self._sinks:
-                self._wake.wait(LINGER_SECONDS)
-                if not self._commands:
-                    self._thread = None
-                    return False
             commands, self._commands = self._commands, deque()
+            if not commands and not self._sinks:
+                self._thread = None
+                return False
         for command in commands:
             command()
         if self._sinks:

@@ -13,7 +13,6 @@ from functools import partial
 import pytest
 
 from inference_engine import LLM, SamplingParams
-from inference_engine.engine_loop import LINGER_SECONDS
 from inference_engine.errors import InvalidRequestError
 
 from .conftest import PROMPTS, assert_all_blocks_free, greedy
@@ -56,17 +55,6 @@ def test_seed_task_queue_example(llm: LLM, lone_outputs, batch_sizes, max_worker
         assert result.finished and result.outputs[0].token_ids == lone_outputs[prompt], prompt
     assert max(batch_sizes) > 1  # the calls joined one batch rather than taking turns
     assert_all_blocks_free(llm)
-
-
-def test_the_loop_thread_serves_calls_in_a_row_then_ends_once_idle(llm: LLM) -> None:
-    loop = llm.engine_loop
-    first = loop.call(threading.current_thread).result()
-    assert llm.generate(["Hi"], greedy(2), use_tqdm=False)[0].outputs[0].token_ids
-    assert loop.call(threading.current_thread).result() is first  # the same thread, its team warm
-    first.join(timeout=LINGER_SECONDS + 30)
-    assert not first.is_alive()  # an idle engine holds no thread
-    assert loop.call(threading.current_thread).result() is not first
-    assert llm.generate(["Hi"], greedy(2), use_tqdm=False)[0].outputs[0].token_ids
 
 
 def test_keyboard_interrupt_aborts_the_call(llm: LLM) -> None:
