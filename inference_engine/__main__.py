@@ -142,12 +142,14 @@ def serve(args: argparse.Namespace) -> None:
     from inference_engine.config import EngineConfig
     from inference_engine.engine_loop import freeze_startup_heap
     from inference_engine.llm_engine import LLMEngine
+    from kernels.cpu.team import spread_team
 
     promoted = threading.Event()
     if args.standby:  # before the model loads: an early SIGUSR1 must not kill us
         signal.signal(signal.SIGUSR1, lambda *_: promoted.set())
     if args.threads:
         torch.set_num_threads(args.threads)
+    spread_team()
     url, _server = ensure_redis_url(args.redis_url)
     config = EngineConfig(model=args.model, served_model_name=args.served_model_name, **_engine_options(args))
     engine = LLMEngine(config)

@@ -11,7 +11,9 @@ kernels share) keeps a pool of workers for every thread that ran a parallel regi
 outnumber the cores, idle workers stop spinning and every parallel region waits for a futex wake. The
 native decoder runs some 200 regions a step, so a loop thread beside the pool of the thread that built the
 model decoded several times slower than with its own pool the only one. So no pool outlives the build, as
-long as the callers' threads run no parallel torch work of their own.
+long as the callers' threads run no parallel torch work of their own. A thread about to run the model
+spreads its new pool over the cores first (`kernels.cpu.team`): its first forward pass would otherwise run
+with the pool's threads sharing one core.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from inference_engine.config import EngineConfig
 from inference_engine.llm_engine import LLMEngine
 from inference_engine.outputs import RequestOutput
 from inference_engine.sampling_params import SamplingParams
+from kernels.cpu.team import spread_team
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +59,7 @@ def on_a_thread_that_ends(fn: Callable[[], T]) -> T:
 
     def run() -> None:
         torch.set_num_threads(threads)
+        spread_team()
         try:
             outcome.append(fn())
         except BaseException as exc:
@@ -150,6 +154,7 @@ class EngineLoop:
 
     def _run(self) -> None:
         torch.set_num_threads(self._threads)
+        spread_team()
         while True:
             try:
                 if not self._iterate():
