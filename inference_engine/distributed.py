@@ -16,6 +16,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from kernels.cpu.team import spread_team
+
 _local_rank = 0
 _building = (0, 1)  # (rank, size) of the model being built
 
@@ -99,3 +101,16 @@ def pin_to_cpu_share(local: int, local_size: int) -> None:
     cores = cpu_share(local, local_size)
     os.sched_setaffinity(0, cores)
     torch.set_num_threads(len(cores))
+    spread_team()
+
+
+@contextmanager
+def thread_placement_kept() -> Iterator[None]:
+    """The calling thread's CPU affinity and torch thread count as they were before the block, whatever it
+    set (a rank 0 built on a caller's thread takes its cores for that thread: see `EngineLoop.build`)."""
+    cores, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, cores)
+        torch.set_num_threads(threads)

@@ -30,6 +30,7 @@ from typing import TypeVar
 import torch
 
 from inference_engine.config import EngineConfig
+from inference_engine.distributed import thread_placement_kept
 from inference_engine.llm_engine import LLMEngine
 from inference_engine.outputs import RequestOutput
 from inference_engine.sampling_params import SamplingParams
@@ -140,9 +141,12 @@ class EngineLoop:
     def build(cls, config: EngineConfig) -> EngineLoop:
         """The loop of a new engine, built on a thread that ends (see the module's docstring). Not with
         tensor parallelism: the ranks' processes die with the thread that started them (their parent-death
-        signal), so that thread must live as long as the engine: the caller's."""
+        signal), so that thread must live as long as the engine: the caller's. Rank 0 then takes its cores for
+        the loop thread, which runs its steps, and leaves the caller's thread as it was."""
         if config.tensor_parallel_size > 1:
-            return cls(LLMEngine(config))
+            with thread_placement_kept():
+                engine = LLMEngine(config)
+            return cls(engine)
         return cls(on_a_thread_that_ends(lambda: LLMEngine(config)))
 
     @property
@@ -154,6 +158,8 @@ class EngineLoop:
 
     def _run(self) -> None:
         torch.set_num_threads(self._threads)
+        if self.engine.runner.workers is not None:
+            self.engine.runner.workers.take_cores()
         spread_team()
         while True:
             try:

@@ -73,13 +73,21 @@ def _die_with_parent() -> None:
 def init_rank(config: EngineConfig, rank: int) -> None:
     """Joins the group as `rank` and takes this rank's cores (CPU) or GPU (CUDA)."""
     local_size = config.tensor_parallel_size // config.nnodes
-    local = rank % local_size
-    device_type = config.device if config.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
-    if device_type == "cpu":
-        distributed.pin_to_cpu_share(local, local_size)
+    take_cores(config, rank)
     distributed.init_process_group(
-        rank, config.tensor_parallel_size, local, config.distributed_init_method, device_type
+        rank, config.tensor_parallel_size, rank % local_size, config.distributed_init_method, _device(config)
     )
+
+
+def take_cores(config: EngineConfig, rank: int) -> None:
+    """On a CPU, `rank`'s share of this machine's cores for the calling thread and the threads it starts."""
+    if _device(config) == "cpu":
+        local_size = config.tensor_parallel_size // config.nnodes
+        distributed.pin_to_cpu_share(rank % local_size, local_size)
+
+
+def _device(config: EngineConfig) -> str:
+    return config.device if config.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def run_worker(config: EngineConfig, rank: int) -> None:
@@ -135,12 +143,18 @@ class TPWorkers:
     def __init__(self, config: EngineConfig, on_failure: Callable[[str], None] | None = None) -> None:
         if config.master_port is None:
             config = replace(config, master_port=_free_port())
+        self.config = config
         self.processes = start_node_workers(config, node_rank=0)
         self.failure: str | None = None
         self.on_failure = on_failure
         self._stopping = False
         init_rank(config, 0)
         threading.Thread(target=self._watch, name="tp-watchdog", daemon=True).start()
+
+    def take_cores(self) -> None:
+        """Rank 0's cores for the calling thread: the one that runs its steps, where that is not the one that
+        built the engine (`EngineLoop`)."""
+        take_cores(self.config, 0)
 
     def _watch(self) -> None:
         sentinels = {p.sentinel: p for p in self.processes}

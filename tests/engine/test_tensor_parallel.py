@@ -9,9 +9,11 @@ import signal
 import time
 
 import pytest
+import torch
 
 from benchmarks.random_llama import write_random_llama
 from inference_engine import LLM
+from inference_engine.distributed import cpu_share
 from inference_engine.errors import InvalidRequestError
 from inference_engine.tp_workers import TensorParallelError
 
@@ -73,6 +75,21 @@ def test_size_two_splits_a_model_with_even_heads(split_model):
         assert sharded.engine.runner.model.model.layers[0].self_attn.num_kv_heads == 1
         _assert_same_greedy(sharded, whole, PROMPTS[:6])
         assert_all_blocks_free(sharded)
+    finally:
+        sharded.engine.shutdown()
+
+
+def test_the_callers_thread_is_left_as_it_was(split_model):
+    """Rank 0 runs on the engine loop's thread, on its share of the cores; the thread that built it keeps its
+    own, and what it starts later is not crowded onto rank 0's cores."""
+    cores, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    sharded = LLM(model=split_model, dtype="float32", tensor_parallel_size=2)
+    try:
+        assert (os.sched_getaffinity(0), torch.get_num_threads()) == (cores, threads)
+        loop = sharded.engine_loop
+        assert loop.call(lambda: len(os.sched_getaffinity(0))).result() == len(cpu_share(0, 2))
+        assert sharded.generate(["Hello"], greedy(4), use_tqdm=False)[0].outputs[0].token_ids
+        assert (os.sched_getaffinity(0), torch.get_num_threads()) == (cores, threads)
     finally:
         sharded.engine.shutdown()
 
