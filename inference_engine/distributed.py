@@ -107,10 +107,12 @@ def pin_to_cpu_share(local: int, local_size: int) -> None:
 @contextmanager
 def thread_placement_kept() -> Iterator[None]:
     """The calling thread's CPU affinity and torch thread count as they were before the block, whatever it
-    set (a rank 0 built on a caller's thread takes its cores for that thread: see `EngineLoop.build`)."""
+    set (a rank 0 built on a caller's thread takes its cores for that thread: see `EngineLoop.build`), and its
+    OpenMP team free to run on those CPUs again (`pin_to_cpu_share` placed the team on the share)."""
     cores, threads = os.sched_getaffinity(0), torch.get_num_threads()
     try:
         yield
     finally:
         os.sched_setaffinity(0, cores)
         torch.set_num_threads(threads)
+        spread_team()

@@ -159,8 +159,9 @@ class EngineLoop:
     def _run(self) -> None:
         torch.set_num_threads(self._threads)
         if self.engine.runner.workers is not None:
-            self.engine.runner.workers.take_cores()
-        spread_team()
+            self.engine.runner.workers.take_cores()  # on a CPU, its team spread over rank 0's share
+        else:
+            spread_team()
         while True:
             try:
                 if not self._iterate():

@@ -16,6 +16,7 @@ from inference_engine import LLM
 from inference_engine.distributed import cpu_share
 from inference_engine.errors import InvalidRequestError
 from inference_engine.tp_workers import TensorParallelError
+from tests.thread_masks import thread_masks
 
 from .conftest import PROMPTS, assert_all_blocks_free, greedy
 
@@ -83,9 +84,13 @@ def test_the_callers_thread_is_left_as_it_was(split_model):
     """Rank 0 runs on the engine loop's thread, on its share of the cores; the thread that built it keeps its
     own, and what it starts later is not crowded onto rank 0's cores."""
     cores, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    torch.ones(1 << 20).sum()  # the caller's OpenMP team exists before the engine
+    before = thread_masks()
     sharded = LLM(model=split_model, dtype="float32", tensor_parallel_size=2)
     try:
         assert (os.sched_getaffinity(0), torch.get_num_threads()) == (cores, threads)
+        after = thread_masks()  # the caller's team too, not only the caller
+        assert all(after[tid] == mask for tid, mask in before.items() if tid in after), (before, after)
         loop = sharded.engine_loop
         assert loop.call(lambda: len(os.sched_getaffinity(0))).result() == len(cpu_share(0, 2))
         assert sharded.generate(["Hello"], greedy(4), use_tqdm=False)[0].outputs[0].token_ids

@@ -6,38 +6,17 @@ from __future__ import annotations
 
 import os
 import threading
-from pathlib import Path
 
 import pytest
 import torch
 
 from kernels.cpu import available
 from kernels.cpu.team import spread_team
+from tests.thread_masks import TASKS, thread_masks
 
 pytestmark = pytest.mark.skipif(
-    not available() or not Path("/proc/self/task").is_dir(), reason="needs the native kernels and Linux"
+    not available() or not TASKS.is_dir(), reason="needs the native kernels and Linux"
 )
-
-
-def thread_masks() -> dict[int, set[int]]:
-    """Every thread of this process and the CPUs it may run on."""
-    masks = {}
-    for task in Path("/proc/self/task").iterdir():
-        try:
-            status = (task / "status").read_text()
-        except FileNotFoundError:  # the thread ended meanwhile
-            continue
-        line = next(x for x in status.splitlines() if x.startswith("Cpus_allowed_list:"))
-        masks[int(task.name)] = cpus_of(line.split(":", 1)[1].strip())
-    return masks
-
-
-def cpus_of(ranges: str) -> set[int]:
-    cpus = set()
-    for part in ranges.split(","):
-        low, _, high = part.partition("-")
-        cpus.update(range(int(low), int(high or low) + 1))
-    return cpus
 
 
 def on_a_new_thread(fn):
