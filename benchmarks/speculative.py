@@ -1,6 +1,9 @@
 """N-gram speculative decoding on a summarisation workload: tokens/s with and without it, by batch size.
 
     .venv/bin/python -m benchmarks.speculative [--batches 1 2 4 8] [--threads 2] [--repeats 2] [-k 6]
+        [--quantization none]
+
+The bundled model's weights as it declares them (Q4_1), or with `--quantization none` dequantized to bf16.
 
 Documents of 300-600 tokens, summaries of 96 tokens, greedy. The outputs of every run are compared with
 those of plain decoding: they must be identical where the steps verifying proposals have at most
@@ -9,11 +12,11 @@ may round otherwise in its last bit (AMX, oneDNN), a near-tie may flip, and the 
 counted. Three engines take turns on each batch size: without speculation, with it at every batch
 size (the acceptance rate and the ratio per batch size say where it stops paying), and with it as configured
 by default (on a CPU the engine stops proposing above `speculative.CPU_BATCH_LIMIT` running sequences, above
-`CPU_QUANTIZED_BATCH_LIMIT` for quantized weights, above fewer where a step of k + 1 rows a sequence would
-pass `SAME_BITS_ROWS`, and proposes nothing for quantized weights on a CPU without AVX512-VNNI). They take
-turns on every batch of documents, in an order that rotates, and each engine's rate is its tokens over its
-seconds summed over all batches and repeats: on a shared machine whose speed drifts by tens of percent
-within a minute, every engine then meets the same drift.
+`CPU_QUANTIZED_BATCH_LIMIT` for quantized weights, shortens proposals where a decode step would verify
+more than `SAME_BITS_ROWS` rows, and proposes nothing for quantized weights on a CPU without AVX512-VNNI).
+They take turns on every batch of documents, in an order that rotates, and each engine's rate is its tokens
+over its seconds summed over all batches and repeats: on a shared machine whose speed drifts by tens of
+percent within a minute, every engine then meets the same drift.
 Beside each acceptance rate, `steps_with_proposals` (the share of the speculating engine's decode steps, a
 sequence each, that had proposals to verify; the others run as plain decoding does) and
 `mean_acceptance_length` (tokens a verification gives, its own included) say how much of the decoding

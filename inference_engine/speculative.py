@@ -14,16 +14,18 @@ sources, which is where this pays; a large batch already keeps the hardware busy
 `disable_by_batch_size` running sequences nothing is proposed. Unset, that limit is `CPU_BATCH_LIMIT` on a
 CPU, where verifying drafts costs compute that a batch of several sequences already saturates
 (`benchmarks/speculative.py`), lower for quantized weights, whose kernels spend more arithmetic on each extra
-row, lower again where k is large enough that a step would verify more than `SAME_BITS_ROWS` rows, and 0
-(never) for quantized weights on a CPU without AVX512-VNNI, where each extra row costs about what the first
-does; none on a GPU, where a step's extra tokens are nearly free. JSON null lifts it. Nor for
-structured-output requests: a draft token their grammar forbids would have to be masked position by position,
-and a copied n-gram rarely fits a grammar anyway.
+row, and 0 (never) for quantized weights on a CPU without AVX512-VNNI, where each extra row costs about what
+the first does; none on a GPU, where a step's extra tokens are nearly free. JSON null lifts it. Unset on a
+CPU, proposals are also shortened where needed so that a decode step verifies at most `SAME_BITS_ROWS` rows
+(`NgramConfig.max_step_rows`), within which every row gets the bits it gets alone: greedy outputs stay exactly
+those of plain decoding, and a few sequences with long proposals share the rows rather than stop proposing.
+Nor for structured-output requests: a draft token their grammar forbids would have to be masked position by
+position, and a copied n-gram rarely fits a grammar anyway.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from inference_engine.errors import InvalidRequestError
 from inference_engine.sequence import Sequence
@@ -40,6 +42,9 @@ class NgramConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     disable_by_batch_size: int | None = None  # no proposals while more sequences than this are running
+    # Rows a decode step may verify, its running sequences' own included (proposals are shortened to fit);
+    # None: no bound. Not a key of the user's config: set with the default batch limit on a CPU.
+    max_step_rows: int | None = field(default=None, init=False)
 
     @classmethod
     def from_dict(cls, config: dict, device: str = "cpu", quantized: bool = False) -> NgramConfig:
@@ -60,22 +65,30 @@ class NgramConfig:
             raise InvalidRequestError("need 1 <= prompt_lookup_min <= prompt_lookup_max.")
         limit = result.disable_by_batch_size
         if "disable_by_batch_size" not in config:  # the default may be 0, which a user may not set
-            k = result.num_speculative_tokens
-            result.disable_by_batch_size = _default_batch_limit(device, quantized, k)
+            result.disable_by_batch_size = _default_batch_limit(device, quantized)
+            result.max_step_rows = SAME_BITS_ROWS if device == "cpu" else None
         elif limit is not None and (not isinstance(limit, int) or limit < 1):
             raise InvalidRequestError("disable_by_batch_size must be a positive integer or null.")
         return result
 
 
-def _default_batch_limit(device: str, quantized: bool, k: int) -> int | None:
-    """On a CPU, also no more sequences than keep a verification step within `SAME_BITS_ROWS` rows, where
-    every row gets the bits it gets alone and greedy outputs stay exactly those of plain decoding."""
+def _default_batch_limit(device: str, quantized: bool) -> int | None:
     if device != "cpu":
         return None
     if quantized and not cheap_quant_rows():
         return 0
-    limit = CPU_QUANTIZED_BATCH_LIMIT if quantized else CPU_BATCH_LIMIT
-    return max(1, min(limit, SAME_BITS_ROWS // (k + 1)))
+    return CPU_QUANTIZED_BATCH_LIMIT if quantized else CPU_BATCH_LIMIT
+
+
+def fit_to_rows(drafts: list[list[int]], extra_rows: int) -> list[list[int]]:
+    """The proposals shortened to at most `extra_rows` tokens in all: each cut to the longest length that
+    fits, so that short ones keep every token and long ones share what is left (prefixes still, which the
+    model verifies as it would the whole)."""
+    longest = max(map(len, drafts), default=0)
+    cap = longest
+    while cap > 0 and sum(min(len(d), cap) for d in drafts) > extra_rows:
+        cap -= 1
+    return drafts if cap == longest else [d[:cap] for d in drafts]
 
 
 def ngram_proposal(tokens: list[int], k: int, n_min: int, n_max: int, confident: int = 0) -> list[int]:
@@ -118,11 +131,15 @@ class NgramProposer:
         self.accepted_per_position = [0] * config.num_speculative_tokens
 
     def propose(self, running: list[Sequence]) -> None:
-        """Sets `draft_token_ids` of every running sequence that decodes next (none above the batch limit)."""
-        limit = self.config.disable_by_batch_size
+        """Sets `draft_token_ids` of every running sequence that decodes next (none above the batch limit,
+        within `max_step_rows`)."""
+        limit, rows = self.config.disable_by_batch_size, self.config.max_step_rows
         enabled = limit is None or len(running) <= limit
-        for seq in running:
-            seq.draft_token_ids = self._for(seq) if enabled else []
+        drafts = [self._for(seq) if enabled else [] for seq in running]
+        if rows is not None:
+            drafts = fit_to_rows(drafts, rows - len(running))
+        for seq, draft in zip(running, drafts, strict=True):
+            seq.draft_token_ids = draft
 
     def _for(self, seq: Sequence) -> list[int]:
         params = seq.params

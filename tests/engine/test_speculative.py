@@ -12,7 +12,7 @@ import pytest
 from inference_engine import LLM, SamplingParams, speculative
 from inference_engine.bus.protocol import ModelInfo, ReplicaInfo
 from inference_engine.errors import InvalidRequestError
-from inference_engine.speculative import NgramConfig, ngram_proposal
+from inference_engine.speculative import NgramConfig, fit_to_rows, ngram_proposal
 from kernels.cpu.linear import SAME_BITS_ROWS, cheap_quant_rows
 from llmserve import metrics
 
@@ -225,17 +225,63 @@ def test_the_batch_limit_defaults_by_device():
 
 
 @pytest.mark.parametrize("quantized", [False, True])
-def test_the_default_limit_keeps_a_step_within_the_rows_that_keep_their_bits(quantized):
-    """With many drafts a sequence, fewer sequences: a verification step of at most `SAME_BITS_ROWS` rows
-    gives greedy outputs exactly those of plain decoding, and one sequence may always propose."""
-    configs = ({"num_speculative_tokens": k} for k in range(1, 17))
-    limits = [NgramConfig.from_dict(c, quantized=quantized).disable_by_batch_size for c in configs]
-    for k, limit in enumerate(limits, start=1):
-        assert limit * (k + 1) <= SAME_BITS_ROWS
-    assert limits == sorted(limits, reverse=True)
-    if not quantized or cheap_quant_rows():
-        assert limits[0] == (quantized_cpu_limit() if quantized else speculative.CPU_BATCH_LIMIT)
-        assert limits[-1] == 1
+def test_unset_on_a_cpu_a_steps_rows_are_bounded_whatever_k(quantized):
+    """The default batch limit does not fall with k: a decode step's rows are bounded instead, at
+    `SAME_BITS_ROWS`, where every row gets the bits it gets alone; no bound on a GPU, nor where the user set
+    the limit. The bound is not a key of vLLM's config, so a user cannot set it."""
+    limit = quantized_cpu_limit() if quantized else speculative.CPU_BATCH_LIMIT
+    for k in (1, 6, 16):
+        config = NgramConfig.from_dict({"num_speculative_tokens": k}, quantized=quantized)
+        assert (config.disable_by_batch_size, config.max_step_rows) == (limit, SAME_BITS_ROWS)
+    assert NgramConfig.from_dict({"num_speculative_tokens": 6}, "cuda").max_step_rows is None
+    chosen = NgramConfig.from_dict({"num_speculative_tokens": 6, "disable_by_batch_size": 4})
+    assert chosen.max_step_rows is None
+    with pytest.raises(InvalidRequestError):
+        NgramConfig.from_dict({"num_speculative_tokens": 6, "max_step_rows": 40})
+
+
+def test_proposals_are_cut_to_share_a_steps_rows():
+    assert fit_to_rows([[1] * 6, [2] * 6, [3] * 6, [4] * 6], 16) == [[1] * 4, [2] * 4, [3] * 4, [4] * 4]
+    assert fit_to_rows([[1] * 6, [2], [], [3] * 3], 8) == [[1] * 4, [2], [], [3] * 3]  # short ones whole
+    assert fit_to_rows([[1] * 6, [2] * 2], 30) == [[1] * 6, [2] * 2]
+    assert fit_to_rows([[1] * 6, [2] * 2], 0) == [[], []]
+    assert fit_to_rows([[1] * 6, [2] * 2], -3) == [[], []]  # more sequences than rows
+    rng = random.Random(0)
+    for _ in range(500):
+        drafts = [list(range(rng.randint(0, 16))) for _ in range(rng.randint(0, 8))]
+        rows = rng.randint(-4, 40)
+        fitted = fit_to_rows(drafts, rows)
+        assert sum(map(len, fitted)) <= max(rows, 0)
+        assert all(d[: len(f)] == f for d, f in zip(drafts, fitted, strict=True))
+        cap = max(map(len, fitted), default=0)  # the longest cut that fits: one more token would not
+        if any(len(d) > cap for d in drafts):
+            assert sum(min(len(d), cap + 1) for d in drafts) > rows
+
+
+def test_sequences_with_long_proposals_share_a_step_within_its_rows(llm, spec_llm, monkeypatch):
+    """Four sequences proposing six tokens each would make 28 rows: on a CPU's default they keep proposing,
+    shortened to 20 rows a step, and greedy outputs are those of plain decoding."""
+    monkeypatch.setattr(speculative, "ngram_proposal", lambda tokens, k, *limits: [0] * k)
+    config = spec_llm.llm_engine.proposer.config
+    monkeypatch.setattr(config, "num_speculative_tokens", 6)
+    monkeypatch.setattr(config, "disable_by_batch_size", speculative.CPU_BATCH_LIMIT)
+    monkeypatch.setattr(config, "max_step_rows", SAME_BITS_ROWS)
+    proposer = spec_llm.llm_engine.proposer
+    steps = []
+    propose = proposer.propose
+
+    def observed(running):
+        propose(running)
+        decoding = [s for s in running if s.num_computed_tokens == len(s) - 1]
+        steps.append((len(decoding), len(running) + sum(len(s.draft_token_ids) for s in running)))
+
+    monkeypatch.setattr(proposer, "propose", observed)
+    plain = llm.generate(PROMPTS[:4], greedy(12, ignore_eos=True), use_tqdm=False)
+    fast = spec_llm.generate(PROMPTS[:4], greedy(12, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in fast] == [o.outputs[0].token_ids for o in plain]
+    assert all(rows <= SAME_BITS_ROWS for _, rows in steps)
+    assert (4, SAME_BITS_ROWS) in steps  # four decoding sequences, their proposals cut to fill the rows
+    assert_all_blocks_free(spec_llm)
 
 
 @pytest.mark.parametrize("quantization", [None, "none"], ids=["q4_1", "dequantized"])
