@@ -194,10 +194,10 @@ class EngineServer:
 
     def _iterate(self) -> None:
         busy = bool(self._live) or self.engine.has_unfinished_requests()
-        aborts, entries = self._poll(block=not busy)
+        aborts, entries, aborted = self._poll(block=not busy)
         for rid in aborts:
             self._abort(rid)
-        self._admit(entries)
+        self._admit(entries, aborted)
         if entries:  # acks out before the step: the web tier starts its response while the prompt prefills
             self._flush()
         firsts = 0
@@ -221,10 +221,12 @@ class EngineServer:
                 self._recover(consumer)
             self._flush()
 
-    def _poll(self, block: bool) -> tuple[list[str], list[tuple[str, str, dict]]]:
+    def _poll(self, block: bool) -> tuple[list[str], list[tuple[str, str, P.Message]], dict[str, bool]]:
         """Aborts, then new entries: utility ones, interactive requests up to the interactive capacity, then
         low-priority ones up to the total capacity (in that order, so interactive ones are never left in Redis
-        for bulk ones). When idle, first blocks on every stream for one entry, then tops up the same way."""
+        for bulk ones). When idle, first blocks on every stream for one entry, then tops up the same way; the
+        top-up's round trip also asks whether the request that woke us was aborted meanwhile (entry id ->
+        aborted; `_admit` asks for the others)."""
         with self.redis.pipeline(transaction=False) as pipe:
             pipe.xread({self.keys.aborts(self.model): self._abort_cursor}, count=1000)
             if block:
@@ -235,20 +237,22 @@ class EngineServer:
                 )
             replies = self._execute(pipe)
         if replies is None:
-            return [], []
+            return [], [], {}
         aborts = []
         for entry_id, fields in replies[0][0][1] if replies[0] else ():
             self._abort_cursor = entry_id
             aborts.append(fields["id"])
         entries = self._entries(replies[1]) if block else []
+        aborted: dict[str, bool] = {}
         if entries or not block:
-            more = self._read_more(entries)
-            if more is None:
-                return [], []
+            read = self._read_more(entries)
+            if read is None:
+                return [], [], {}
+            more, aborted = read
             entries += more
-        return aborts, entries
+        return aborts, entries, aborted
 
-    def _capacity(self, new: list[tuple[str, str, dict]]) -> tuple[int, int]:
+    def _capacity(self, new: list[tuple[str, str, P.Message]]) -> tuple[int, int]:
         """(interactive, total) requests we may still take, counting `new` entries not yet admitted."""
         if not self._accepting:
             return 0, 0
@@ -257,18 +261,25 @@ class EngineServer:
         total = sum(1 for stream in streams if stream != self.util_stream)
         return self.max_inflight - interactive, self.max_inflight - total
 
-    def _read_more(self, entries: list[tuple[str, str, dict]]) -> list[tuple[str, str, dict]] | None:
-        """Non-blocking reads after `entries` (None: Redis lost its data, see `_execute`)."""
-        more: list[tuple[str, str, dict]] = []
+    def _read_more(
+        self, entries: list[tuple[str, str, P.Message]]
+    ) -> tuple[list[tuple[str, str, P.Message]], dict[str, bool]] | None:
+        """Non-blocking reads after `entries`, and which of `entries` were aborted (entry id -> aborted),
+        asked in the same round trip (None: Redis lost its data, see `_execute`)."""
+        more: list[tuple[str, str, P.Message]] = []
         interactive, _ = self._capacity(entries)
         with self.redis.pipeline(transaction=False) as pipe:
             pipe.xreadgroup(P.GROUP, self.replica_id, {self.util_stream: ">"}, count=16)
             if interactive > 0:
                 pipe.xreadgroup(P.GROUP, self.replica_id, {self.req_stream: ">"}, count=interactive)
+            for _, _, message in entries:
+                pipe.exists(self.keys.abort(message.id))
             replies = self._execute(pipe)
         if replies is None:
             return None
-        for reply in replies:
+        reads = len(replies) - len(entries)
+        aborted = {e: bool(found) for (_, e, _), found in zip(entries, replies[reads:], strict=True)}
+        for reply in replies[:reads]:
             more += self._entries(reply)
         _, total = self._capacity(entries + more)
         if total > 0 and not any(stream == self.req_stream for stream, _, _ in entries + more):
@@ -279,11 +290,14 @@ class EngineServer:
             if replies is None:
                 return None
             more += self._entries(replies[0])
-        return more
+        return more, aborted
 
     @staticmethod
-    def _entries(reply: Any) -> list[tuple[str, str, dict]]:
-        return [(stream, entry_id, fields) for stream, items in reply or () for entry_id, fields in items]
+    def _entries(reply: Any) -> list[tuple[str, str, P.Message]]:
+        """(stream, entry id, message) of each entry read."""
+        return [
+            (stream, entry_id, P.parse(fields)) for stream, items in reply or () for entry_id, fields in items
+        ]
 
     def _execute(self, pipe: Any) -> list | None:
         """Runs a pipeline of reads; None when Redis lost its data."""
@@ -312,16 +326,20 @@ class EngineServer:
                 )
         self._connect()
 
-    def _admit(self, entries: list[tuple[str, str, dict]]) -> None:
+    def _admit(self, entries: list[tuple[str, str, P.Message]], aborted: dict[str, bool]) -> None:
+        """Starts new requests, or ends those aborted before we read them. `aborted`: what `_poll` already
+        knows of that (entry id -> aborted); the others are asked here, in one round trip."""
         if not entries:
             return
-        messages = [P.parse(fields) for _, _, fields in entries]
-        with self.redis.pipeline(transaction=False) as pipe:
-            for message in messages:
-                pipe.exists(self.keys.abort(message.id))
-            aborted = pipe.execute()
-        for (stream, entry_id, _), message, was_aborted in zip(entries, messages, aborted, strict=True):
-            if was_aborted:  # ended for anyone still reading its output (a bulk runner that reattached)
+        unknown = [(entry_id, message.id) for _, entry_id, message in entries if entry_id not in aborted]
+        if unknown:
+            with self.redis.pipeline(transaction=False) as pipe:
+                for _, request_id in unknown:
+                    pipe.exists(self.keys.abort(request_id))
+                found = pipe.execute()
+            aborted = {**aborted, **{e: bool(f) for (e, _), f in zip(unknown, found, strict=True)}}
+        for stream, entry_id, message in entries:
+            if aborted[entry_id]:  # ended for anyone still reading its output (a bulk runner that reattached)
                 if isinstance(message, P.Generate):
                     self._writes.append(
                         (message.id, P.Error.of(RequestAbortedError("the request was aborted.")))
