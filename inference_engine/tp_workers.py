@@ -72,18 +72,23 @@ def _die_with_parent() -> None:
 
 def init_rank(config: EngineConfig, rank: int) -> None:
     """Joins the group as `rank` and takes this rank's cores (CPU) or GPU (CUDA)."""
-    local_size = config.tensor_parallel_size // config.nnodes
     take_cores(config, rank)
+    local, _ = _on_this_node(config, rank)
     distributed.init_process_group(
-        rank, config.tensor_parallel_size, rank % local_size, config.distributed_init_method, _device(config)
+        rank, config.tensor_parallel_size, local, config.distributed_init_method, _device(config)
     )
 
 
 def take_cores(config: EngineConfig, rank: int) -> None:
     """On a CPU, `rank`'s share of this machine's cores for the calling thread and the threads it starts."""
     if _device(config) == "cpu":
-        local_size = config.tensor_parallel_size // config.nnodes
-        distributed.pin_to_cpu_share(rank % local_size, local_size)
+        distributed.pin_to_cpu_share(*_on_this_node(config, rank))
+
+
+def _on_this_node(config: EngineConfig, rank: int) -> tuple[int, int]:
+    """`rank`'s index among its node's ranks, and how many ranks a node runs."""
+    local_size = config.tensor_parallel_size // config.nnodes
+    return rank % local_size, local_size
 
 
 def _device(config: EngineConfig) -> str:

@@ -272,13 +272,12 @@ class EngineServer:
             pipe.xreadgroup(P.GROUP, self.replica_id, {self.util_stream: ">"}, count=16)
             if interactive > 0:
                 pipe.xreadgroup(P.GROUP, self.replica_id, {self.req_stream: ">"}, count=interactive)
-            for _, _, message in entries:
-                pipe.exists(self.keys.abort(message.id))
+            self._ask_aborted(pipe, entries)
             replies = self._execute(pipe)
         if replies is None:
             return None
         reads = len(replies) - len(entries)
-        aborted = {e: bool(found) for (_, e, _), found in zip(entries, replies[reads:], strict=True)}
+        aborted = self._aborted(entries, replies[reads:])
         for reply in replies[:reads]:
             more += self._entries(reply)
         _, total = self._capacity(entries + more)
@@ -291,6 +290,16 @@ class EngineServer:
                 return None
             more += self._entries(replies[0])
         return more, aborted
+
+    def _ask_aborted(self, pipe: Any, entries: list[tuple[str, str, P.Message]]) -> None:
+        """Queues on `pipe` whether each entry's request was aborted before we read it (its abort key)."""
+        for _, _, message in entries:
+            pipe.exists(self.keys.abort(message.id))
+
+    @staticmethod
+    def _aborted(entries: list[tuple[str, str, P.Message]], found: list) -> dict[str, bool]:
+        """Entry id -> aborted, from the replies of `_ask_aborted`."""
+        return {entry_id: bool(f) for (_, entry_id, _), f in zip(entries, found, strict=True)}
 
     @staticmethod
     def _entries(reply: Any) -> list[tuple[str, str, P.Message]]:
@@ -331,13 +340,11 @@ class EngineServer:
         knows of that (entry id -> aborted); the others are asked here, in one round trip."""
         if not entries:
             return
-        unknown = [(entry_id, message.id) for _, entry_id, message in entries if entry_id not in aborted]
+        unknown = [entry for entry in entries if entry[1] not in aborted]
         if unknown:
             with self.redis.pipeline(transaction=False) as pipe:
-                for _, request_id in unknown:
-                    pipe.exists(self.keys.abort(request_id))
-                found = pipe.execute()
-            aborted = {**aborted, **{e: bool(f) for (e, _), f in zip(unknown, found, strict=True)}}
+                self._ask_aborted(pipe, unknown)
+                aborted = {**aborted, **self._aborted(unknown, pipe.execute())}
         for stream, entry_id, message in entries:
             if aborted[entry_id]:  # ended for anyone still reading its output (a bulk runner that reattached)
                 if isinstance(message, P.Generate):
