@@ -34,7 +34,8 @@ QUOTING = [
 
 @pytest.fixture(scope="module")
 def spec_llm() -> LLM:
-    return LLM(dtype="float32", seed=0, speculative_config=NGRAM)
+    # No periodic stats line: it would log (and so reset) the speculation counters a test reads in between.
+    return LLM(dtype="float32", seed=0, speculative_config=NGRAM, log_stats_interval=0)
 
 
 def test_proposals_follow_the_latest_earlier_occurrence_of_the_longest_suffix():
