@@ -255,8 +255,9 @@ def _timed_plan(
     """Times two routines on random rows (interleaved, best of a few) and finds up to how many rows the
     native one is the faster: all of them if it is at half `_LARGE_ROWS` and at `_LARGE_ROWS` rows (its lead
     shrinks as rows grow), else by halving the candidates above `floor`, the rows the native routine serves
-    whatever the timing (below `floor` its lead need not shrink with rows: with AMX the bf16 kernel loses to
-    oneDNN from about 8 rows and wins again from 21, where its AMX routine starts). Where the other routine
+    whatever the timing (below `floor` its lead need not shrink with rows: where its AMX routine takes only
+    steps of more than 20 rows, see `_amx_rows`, the bf16 kernel loses to oneDNN from about 8 rows and wins
+    again from 21). Where the other routine
     needs its own copy of the weight, the native one serves every row count if it is within a tenth of the
     other at both row counts, sparing that copy: oneDNN's rate varies from one row count to the next, so one
     count alone could land in one of its slow splits ([3072, 576] on two threads: within a tenth of ours at
@@ -339,15 +340,37 @@ def native_amx() -> bool:
     return fn is not None and bool(fn())
 
 
+@cache
 def _amx_rows() -> int:
-    """From how many rows the bf16 kernel multiplies through AMX tiles (0: it cannot here).
+    """From how many rows the bf16 kernel multiplies through AMX tiles (0: it cannot here): 1 or
+    `SAME_BITS_ROWS` + 1.
 
-    AMX is the faster from about 5 rows, but its sums round differently from vdpbf16ps's in a rare last bit
-    (and from a row count on, oneDNN's differ too), so a token's logits would depend on how many other
-    tokens share its step. Steps of up to `SAME_BITS_ROWS` rows keep vdpbf16ps's bits: then speculative
-    verification (up to four sequences of the default limit on a CPU, four proposals each, 20 rows) gives
-    the tokens plain decoding gives. AMX takes the steps of prompts."""
-    return SAME_BITS_ROWS + 1 if native_amx() else 0
+    Each routine gives a row the bits it gets alone, but AMX adds a sum's products in another order than
+    vdpbf16ps, so the two may round a sum differently in its last bit. Were the routine to change at some row
+    count below `SAME_BITS_ROWS`, a token's logits would depend on how many tokens share its step, and
+    speculative verification (up to four sequences of the default limit on a CPU, four proposals each, 20
+    rows) would no longer give the tokens plain decoding gives. So AMX takes either every step or only those
+    of more rows (prompts): every step unless, at one row, it streams a weight more than a twentieth slower
+    than vdpbf16ps (timed once per machine). From two rows on it is the faster by far, each of its tile
+    products serving 16 rows where vdpbf16ps spends an instruction per row, so a step of a few rows (a
+    batch, a verification) repays a small loss at one."""
+    if not native_amx():
+        return 0
+
+    def time_it() -> _Plan:
+        # 28 MB, more than a core's L2, as decoding streams its weights.
+        gen = torch.Generator().manual_seed(0)
+        weights = [torch.randn(3072, 576, generator=gen).to(BF16) for _ in range(8)]
+        vector = [_BF16Tiles(w, fma_rows=0, amx_rows=0) for w in weights]
+        amx = [_BF16Tiles(w, fma_rows=0, amx_rows=1) for w in weights]
+        x = torch.randn(1, 576, generator=gen).to(BF16)
+        times = {"vector": math.inf, "amx": math.inf}
+        for _ in range(5):
+            for name, tiles in (("vector", vector), ("amx", amx)):
+                times[name] = min(times[name], best_time(lambda t=tiles: [w(x, None) for w in t], 1))
+        return _Plan(0 if times["amx"] <= 1.05 * times["vector"] else SAME_BITS_ROWS, keep_other=True)
+
+    return int(_remembered("bf16 vector rows before amx [3072, 576] x8", time_it).native_rows) + 1
 
 
 @cache

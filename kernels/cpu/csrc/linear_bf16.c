@@ -155,8 +155,8 @@ static void tile_rows_avx512(const uint16_t *x, long ldx, const float *xf, long 
  * its fp32 sums stay in a tile register for the whole of K: enough rows share every weight for the stream
  * to run at memory speed whatever the row count up to 32 (vdpbf16ps spends two instructions per row and
  * pair of columns, and oneDNN's prepacked linear streams its weight at well under memory speed here). Its
- * sums are added in another order than vdpbf16ps's, so its bits may differ; `amx_rows` keeps it to steps
- * of many rows. Tiles:
+ * sums are added in another order than vdpbf16ps's, so its bits may differ: `amx_rows` gives it every step or
+ * only those of many rows (kernels/cpu/linear.py: _amx_rows). Tiles:
  *   tmm0, tmm1: x, rows 0-15 and 16-31 of a pass, 32 columns;
  *   tmm2, tmm3: a block of 16 column pairs of the weight tile, its outputs 0-15 and 16-31 (in the packed
  *               tile a pair's 32 outputs lie side by side, 128 bytes: the layout AMX takes, 64 bytes apart);
