@@ -195,6 +195,20 @@ def test_dense_bf16_rows_get_their_own_bits_in_steps_of_up_to_20(gen):
 
 
 @needs_native
+@needs_amx
+@pytest.mark.parametrize(("vector_rows", "amx_rows"), [(0, 1), (cpu_linear.SAME_BITS_ROWS, 21)])
+def test_amx_takes_every_step_or_none_of_up_to_20_rows(monkeypatch, vector_rows, amx_rows):
+    """The timed choice maps to AMX from the first row or from the 21st, never in between, where a row's bits
+    would change with the rows sharing its step."""
+    monkeypatch.setattr(cpu_linear, "_remembered", lambda key, time_it: cpu_linear._Plan(vector_rows, True))
+    cpu_linear._amx_rows.cache_clear()
+    try:
+        assert cpu_linear._amx_rows() == amx_rows
+    finally:
+        cpu_linear._amx_rows.cache_clear()
+
+
+@needs_native
 @needs_bf16
 @needs_vnni
 @pytest.mark.parametrize("shape", [*MODEL_SHAPES, LM_HEAD], ids=str)
