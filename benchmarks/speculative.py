@@ -12,7 +12,8 @@ may round otherwise in its last bit (AMX, oneDNN), a near-tie may flip, and the 
 counted. Three engines take turns on each batch size: without speculation, with it at every batch
 size (the acceptance rate and the ratio per batch size say where it stops paying), and with it as configured
 by default (on a CPU the engine stops proposing above `speculative.CPU_BATCH_LIMIT` running sequences, above
-`CPU_QUANTIZED_BATCH_LIMIT` for quantized weights, shortens proposals where a decode step would verify
+`CPU_AMX_BATCH_LIMIT` for bf16 weights where AMX takes every step, above `CPU_QUANTIZED_BATCH_LIMIT` for
+quantized weights, shortens proposals where a decode step would verify
 more than `SAME_BITS_ROWS` rows, and proposes nothing for quantized weights on a CPU without AVX512-VNNI).
 They take turns on every batch of documents, in an order that rotates, and each engine's rate is its tokens
 over its seconds summed over all batches and repeats: on a shared machine whose speed drifts by tens of

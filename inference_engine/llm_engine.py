@@ -64,7 +64,8 @@ class LLMEngine:
         if config.speculative_config:
             quantized = loaded.quantization != "none"
             device = self.runner.device.type
-            ngram = NgramConfig.from_dict(config.speculative_config, device, quantized)
+            bf16 = self.runner.dtype == torch.bfloat16
+            ngram = NgramConfig.from_dict(config.speculative_config, device, quantized, bf16)
             self.proposer = NgramProposer(ngram, self.max_model_len, device)
         self.sampler = Sampler(self.tokenizer.eos_token_ids, config.seed)
         self.vocab_size = loaded.config.vocab_size  # the width of the model's logits

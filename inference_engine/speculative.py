@@ -13,12 +13,14 @@ rolls back what the rejected tokens left behind (`LLMEngine._settle`). Summaries
 sources, which is where this pays; a large batch already keeps the hardware busy, so above
 `disable_by_batch_size` running sequences nothing is proposed. Unset, that limit is `CPU_BATCH_LIMIT` on a
 CPU, where verifying drafts costs compute that a batch of several sequences already saturates
-(`benchmarks/speculative.py`), lower for quantized weights, whose kernels spend more arithmetic on each extra
-row, and 0 (never) for quantized weights on a CPU without AVX512-VNNI, where each extra row costs about what
-the first does; none on a GPU, where a step's extra tokens are nearly free. JSON null lifts it. Unset on a
-CPU, proposals are also shortened where needed so that a decode step verifies at most `SAME_BITS_ROWS` rows
-(`NgramConfig.max_step_rows`), within which every row gets the bits it gets alone: greedy outputs stay exactly
-those of plain decoding, and a few sequences with long proposals share the rows rather than stop proposing.
+(`benchmarks/speculative.py`), higher for bf16 weights where AMX takes every step of the bf16 kernel (a step
+of up to 16 rows costs about what one row does there), lower for quantized weights, whose kernels spend more
+arithmetic on each extra row, and 0 (never) for quantized weights on a CPU without AVX512-VNNI, where each
+extra row costs about what the first does; none on a GPU, where a step's extra tokens are nearly free. JSON
+null lifts it. Unset on a CPU, proposals are also shortened where needed so that a decode step verifies at
+most `SAME_BITS_ROWS` rows (`NgramConfig.max_step_rows`), within which every row gets the bits it gets alone:
+greedy outputs stay exactly those of plain decoding, and a few sequences with long proposals share the rows
+rather than stop proposing.
 Nor for structured-output requests: a draft token their grammar forbids would have to be masked position by
 position, and a copied n-gram rarely fits a grammar anyway.
 """
@@ -29,9 +31,10 @@ from dataclasses import dataclass, field
 
 from inference_engine.errors import InvalidRequestError
 from inference_engine.sequence import Sequence
-from kernels.cpu.linear import SAME_BITS_ROWS, cheap_quant_rows
+from kernels.cpu.linear import SAME_BITS_ROWS, cheap_bf16_rows, cheap_quant_rows
 
 CPU_BATCH_LIMIT = 4
+CPU_AMX_BATCH_LIMIT = 8
 CPU_QUANTIZED_BATCH_LIMIT = 2
 CPU_CONFIDENT_MATCH = 3
 
@@ -47,8 +50,11 @@ class NgramConfig:
     max_step_rows: int | None = field(default=None, init=False)
 
     @classmethod
-    def from_dict(cls, config: dict, device: str = "cpu", quantized: bool = False) -> NgramConfig:
-        """`device` and `quantized` (the model's weights) choose the default `disable_by_batch_size`."""
+    def from_dict(
+        cls, config: dict, device: str = "cpu", quantized: bool = False, bf16: bool = False
+    ) -> NgramConfig:
+        """`device`, `quantized` and `bf16` (the model's weights) choose the default
+        `disable_by_batch_size`."""
         config = dict(config)
         method = config.pop("method", "ngram")
         if method != "ngram":
@@ -65,19 +71,19 @@ class NgramConfig:
             raise InvalidRequestError("need 1 <= prompt_lookup_min <= prompt_lookup_max.")
         limit = result.disable_by_batch_size
         if "disable_by_batch_size" not in config:  # the default may be 0, which a user may not set
-            result.disable_by_batch_size = _default_batch_limit(device, quantized)
+            result.disable_by_batch_size = _default_batch_limit(device, quantized, bf16)
             result.max_step_rows = SAME_BITS_ROWS if device == "cpu" else None
         elif limit is not None and (not isinstance(limit, int) or limit < 1):
             raise InvalidRequestError("disable_by_batch_size must be a positive integer or null.")
         return result
 
 
-def _default_batch_limit(device: str, quantized: bool) -> int | None:
+def _default_batch_limit(device: str, quantized: bool, bf16: bool) -> int | None:
     if device != "cpu":
         return None
-    if quantized and not cheap_quant_rows():
-        return 0
-    return CPU_QUANTIZED_BATCH_LIMIT if quantized else CPU_BATCH_LIMIT
+    if quantized:
+        return CPU_QUANTIZED_BATCH_LIMIT if cheap_quant_rows() else 0
+    return CPU_AMX_BATCH_LIMIT if bf16 and cheap_bf16_rows() else CPU_BATCH_LIMIT
 
 
 def fit_to_rows(drafts: list[list[int]], extra_rows: int) -> list[list[int]]:

@@ -617,6 +617,12 @@ def native_quant() -> bool:
     return fn is not None and bool(fn())
 
 
+def cheap_bf16_rows() -> bool:
+    """Whether a few more rows a step cost the bf16 kernel little here: AMX takes every step (`_amx_rows`),
+    each of its tile products serving up to 16 rows."""
+    return _amx_rows() == 1
+
+
 def cheap_quant_rows() -> bool:
     """Whether a few more rows a step cost the quantized kernel little here (AVX512-VNNI). On AVX2 a step
     of 5 rows through the bundled model's Q4_1 layers took 3.2x one row, so speculation's verification steps

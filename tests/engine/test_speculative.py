@@ -13,7 +13,7 @@ from inference_engine import LLM, SamplingParams, speculative
 from inference_engine.bus.protocol import ModelInfo, ReplicaInfo
 from inference_engine.errors import InvalidRequestError
 from inference_engine.speculative import NgramConfig, fit_to_rows, ngram_proposal
-from kernels.cpu.linear import SAME_BITS_ROWS, cheap_quant_rows
+from kernels.cpu.linear import SAME_BITS_ROWS, cheap_bf16_rows, cheap_quant_rows
 from llmserve import metrics
 
 from .conftest import PROMPTS, assert_all_blocks_free, greedy
@@ -211,12 +211,20 @@ def quantized_cpu_limit() -> int:
     return speculative.CPU_QUANTIZED_BATCH_LIMIT if cheap_quant_rows() else 0
 
 
+def bf16_cpu_limit() -> int:
+    """The default limit for bf16 weights on this CPU: higher where AMX takes every bf16 step."""
+    return speculative.CPU_AMX_BATCH_LIMIT if cheap_bf16_rows() else speculative.CPU_BATCH_LIMIT
+
+
 def test_the_batch_limit_defaults_by_device():
-    """Unset, speculation stops above a few sequences on a CPU (fewer for quantized weights, or all of them
-    where the quantized kernel lacks AVX512-VNNI) and never on a GPU; null lifts the limit."""
+    """Unset, speculation stops above a few sequences on a CPU (more for bf16 weights where AMX takes every
+    step, fewer for quantized weights, or all of them where the quantized kernel lacks AVX512-VNNI) and never
+    on a GPU; null lifts the limit."""
     config = {"method": "ngram", "num_speculative_tokens": 2}
     assert NgramConfig.from_dict(config).disable_by_batch_size == speculative.CPU_BATCH_LIMIT
-    quantized = NgramConfig.from_dict(config, quantized=True).disable_by_batch_size
+    bf16 = NgramConfig.from_dict(config, bf16=True).disable_by_batch_size
+    assert bf16 == bf16_cpu_limit() >= speculative.CPU_BATCH_LIMIT
+    quantized = NgramConfig.from_dict(config, quantized=True, bf16=True).disable_by_batch_size
     assert quantized == quantized_cpu_limit() < speculative.CPU_BATCH_LIMIT
     assert NgramConfig.from_dict(config, "cuda").disable_by_batch_size is None
     assert NgramConfig.from_dict(config, "cuda", quantized=True).disable_by_batch_size is None
@@ -225,14 +233,14 @@ def test_the_batch_limit_defaults_by_device():
     assert NgramConfig.from_dict({**config, "disable_by_batch_size": 8}, "cuda").disable_by_batch_size == 8
 
 
-@pytest.mark.parametrize("quantized", [False, True])
-def test_unset_on_a_cpu_a_steps_rows_are_bounded_whatever_k(quantized):
+@pytest.mark.parametrize(("quantized", "bf16"), [(False, False), (False, True), (True, True)])
+def test_unset_on_a_cpu_a_steps_rows_are_bounded_whatever_k(quantized, bf16):
     """The default batch limit does not fall with k: a decode step's rows are bounded instead, at
     `SAME_BITS_ROWS`, where every row gets the bits it gets alone; no bound on a GPU, nor where the user set
     the limit. The bound is not a key of vLLM's config, so a user cannot set it."""
-    limit = quantized_cpu_limit() if quantized else speculative.CPU_BATCH_LIMIT
+    limit = quantized_cpu_limit() if quantized else bf16_cpu_limit() if bf16 else speculative.CPU_BATCH_LIMIT
     for k in (1, 6, 16):
-        config = NgramConfig.from_dict({"num_speculative_tokens": k}, quantized=quantized)
+        config = NgramConfig.from_dict({"num_speculative_tokens": k}, quantized=quantized, bf16=bf16)
         assert (config.disable_by_batch_size, config.max_step_rows) == (limit, SAME_BITS_ROWS)
     assert NgramConfig.from_dict({"num_speculative_tokens": 6}, "cuda").max_step_rows is None
     chosen = NgramConfig.from_dict({"num_speculative_tokens": 6, "disable_by_batch_size": 4})
@@ -285,13 +293,21 @@ def test_sequences_with_long_proposals_share_a_step_within_its_rows(llm, spec_ll
     assert_all_blocks_free(spec_llm)
 
 
-@pytest.mark.parametrize("quantization", [None, "none"], ids=["q4_1", "dequantized"])
-def test_the_engine_takes_the_limit_of_its_weights(quantization):
-    """The bundled Q4_1 file kept quantized gets the quantized default; dequantized, the dense one."""
+@pytest.mark.parametrize(
+    ("quantization", "dtype", "limit"),
+    [
+        (None, "bfloat16", quantized_cpu_limit),
+        ("none", "bfloat16", bf16_cpu_limit),
+        ("none", "float32", lambda: speculative.CPU_BATCH_LIMIT),
+    ],
+    ids=["q4_1", "bf16", "fp32"],
+)
+def test_the_engine_takes_the_limit_of_its_weights(quantization, dtype, limit):
+    """The bundled Q4_1 file kept quantized gets the quantized default; dequantized, the bf16 or the dense
+    one."""
     config = {"method": "ngram", "num_speculative_tokens": 2}
-    engine = LLM(quantization=quantization, max_model_len=256, speculative_config=config).llm_engine
-    limit = quantized_cpu_limit() if quantization is None else speculative.CPU_BATCH_LIMIT
-    assert engine.proposer.config.disable_by_batch_size == limit
+    llm = LLM(quantization=quantization, dtype=dtype, max_model_len=256, speculative_config=config)
+    assert llm.llm_engine.proposer.config.disable_by_batch_size == limit()
 
 
 @pytest.mark.parametrize(
