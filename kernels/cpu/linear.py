@@ -257,11 +257,10 @@ def _timed_plan(
     shrinks as rows grow), else by halving the candidates above `floor`, the rows the native routine serves
     whatever the timing (below `floor` its lead need not shrink with rows: where its AMX routine takes only
     steps of more than 20 rows, see `_amx_rows`, the bf16 kernel loses to oneDNN from about 8 rows and wins
-    again from 21). Where the other routine
-    needs its own copy of the weight, the native one serves every row count if it is within a tenth of the
-    other at both row counts, sparing that copy: oneDNN's rate varies from one row count to the next, so one
-    count alone could land in one of its slow splits ([3072, 576] on two threads: within a tenth of ours at
-    512 rows, 15-30 % ahead at 256 and 1,000).
+    again from 21). Where the other routine needs its own copy of the weight, the native one serves every
+    row count if it is within a tenth of the other at both row counts, sparing that copy: oneDNN's rate
+    varies from one row count to the next, so one count alone could land in one of its slow splits
+    ([3072, 576] on two threads: within a tenth of ours at 512 rows, 15-30 % ahead at 256 and 1,000).
 
     Timed on the threads the engine runs with: oneDNN does not split every shape's work evenly over them
     (two threads on [1000, 1536] x [1536, 576] took as long as one, and on 384-1000 rows of [576, 576] or
