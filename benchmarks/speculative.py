@@ -13,8 +13,8 @@ counted. Three engines take turns on each batch size: without speculation, with 
 size (the acceptance rate and the ratio per batch size say where it stops paying), and with it as configured
 by default (on a CPU the engine stops proposing above `speculative.CPU_BATCH_LIMIT` running sequences, above
 `CPU_AMX_BATCH_LIMIT` for bf16 weights where AMX takes every step, above `CPU_QUANTIZED_BATCH_LIMIT` for
-quantized weights, shortens proposals where a decode step would verify
-more than `SAME_BITS_ROWS` rows, and proposes nothing for quantized weights on a CPU without AVX512-VNNI).
+quantized weights, shortens proposals where a decode step would verify more than `SAME_BITS_ROWS` rows, and
+proposes nothing for quantized weights on a CPU without AVX512-VNNI).
 They take turns on every batch of documents, in an order that rotates, and each engine's rate is its tokens
 over its seconds summed over all batches and repeats: on a shared machine whose speed drifts by tens of
 percent within a minute, every engine then meets the same drift.

@@ -347,12 +347,12 @@ def _amx_rows() -> int:
     Each routine gives a row the bits it gets alone, but AMX adds a sum's products in another order than
     vdpbf16ps, so the two may round a sum differently in its last bit. Were the routine to change at some row
     count below `SAME_BITS_ROWS`, a token's logits would depend on how many tokens share its step, and
-    speculative verification (up to four sequences of the default limit on a CPU, four proposals each, 20
-    rows) would no longer give the tokens plain decoding gives. So AMX takes either every step or only those
-    of more rows (prompts): every step unless, at one row, it streams a weight more than a twentieth slower
-    than vdpbf16ps (timed once per machine). From two rows on it is the faster by far, each of its tile
-    products serving 16 rows where vdpbf16ps spends an instruction per row, so a step of a few rows (a
-    batch, a verification) repays a small loss at one."""
+    speculative verification (steps of up to 20 rows by a CPU's default) would no longer give the tokens
+    plain decoding gives. So AMX takes either every step or only those of more rows (prompts): every step
+    unless, at one row, it streams a weight more than a twentieth slower than vdpbf16ps (timed once per
+    machine). From two rows on it is the faster by far, each of its tile products serving 16 rows where
+    vdpbf16ps spends an instruction per row, so a step of a few rows (a batch, a verification) repays a
+    small loss at one."""
     if not native_amx():
         return 0
 
