@@ -16,3 +16,13 @@ def best_time(fn: Callable[[], object], runs: int = 3) -> float:
         fn()
         best = min(best, time.perf_counter() - start)
     return best
+
+
+def interleaved_best(fns: list[Callable[[], object]], rounds: int = 5) -> list[float]:
+    """Each function's `best_time` of one call over `rounds` rounds in which they take turns: on a shared
+    machine whose speed drifts, every function meets the same drift, and one undisturbed call is enough."""
+    best = [float("inf")] * len(fns)
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            best[i] = min(best[i], best_time(fn, 1))
+    return best

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from kernels.cpu._build import available, function, i32, i64, library_path, ptr
 from kernels.cpu.huge_pages import on_huge_pages
 from kernels.quantized import Int4Weight, QuantizedWeight
-from kernels.timing import best_time
+from kernels.timing import best_time, interleaved_best
 
 BF16 = torch.bfloat16
 _PACK_BATCH_HINT = 32  # oneDNN picks its layout for this many rows; measured as good for 1..2048 rows
@@ -272,11 +272,8 @@ def _timed_plan(
 
     def native_faster(rows: int, margin: float = 1.0) -> bool:
         x = torch.randn(rows, k, generator=gen).to(dtype)
-        times = {native: math.inf, other: math.inf}
-        for _ in range(5):
-            for routine in times:
-                times[routine] = min(times[routine], best_time(lambda r=routine: r(x, None), 1))
-        return times[native] <= margin * times[other]
+        native_time, other_time = interleaved_best([lambda: native(x, None), lambda: other(x, None)])
+        return native_time <= margin * other_time
 
     threads = torch.get_num_threads()
     if one_thread:
@@ -363,11 +360,8 @@ def _amx_rows() -> int:
         vector = [_BF16Tiles(w, fma_rows=0, amx_rows=0) for w in weights]
         amx = [_BF16Tiles(w, fma_rows=0, amx_rows=1) for w in weights]
         x = torch.randn(1, 576, generator=gen).to(BF16)
-        times = {"vector": math.inf, "amx": math.inf}
-        for _ in range(5):
-            for name, tiles in (("vector", vector), ("amx", amx)):
-                times[name] = min(times[name], best_time(lambda t=tiles: [w(x, None) for w in t], 1))
-        return _Plan(0 if times["amx"] <= 1.05 * times["vector"] else SAME_BITS_ROWS, keep_other=True)
+        vector_time, amx_time = interleaved_best([lambda t=t: [w(x, None) for w in t] for t in (vector, amx)])
+        return _Plan(0 if amx_time <= 1.05 * vector_time else SAME_BITS_ROWS, keep_other=True)
 
     return int(_remembered("bf16 vector rows before amx [3072, 576] x8", time_it).native_rows) + 1
 
