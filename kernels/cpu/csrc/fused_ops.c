@@ -14,7 +14,7 @@
 
 static inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
 
-#define PARALLEL_OVER(rows, work) if ((long)(rows) * (work) >= (1L << 16)) num_threads(num_threads)
+#define PARALLEL_OVER(rows, work) if ((long)(rows) * (work) >= (1L << 13)) num_threads(num_threads)
 
 /* sum <- x + residual; out <- weight * rmsnorm(sum). [rows, hidden], all contiguous. */
 void add_rms_norm_bf16(const uint16_t *x, const uint16_t *residual, uint16_t *sum_out, const uint16_t *weight,
