@@ -345,11 +345,13 @@ def _amx_rows() -> int:
     vdpbf16ps, so the two may round a sum differently in its last bit. Were the routine to change at some row
     count below `SAME_BITS_ROWS`, a token's logits would depend on how many tokens share its step, and
     speculative verification (steps of up to 20 rows by a CPU's default) would no longer give the tokens
-    plain decoding gives. So AMX takes either every step or only those of more rows (prompts): every step
-    unless, at one row, it streams a weight more than a twentieth slower than vdpbf16ps (timed once per
-    machine). From two rows on it is the faster by far, each of its tile products serving 16 rows where
-    vdpbf16ps spends an instruction per row, so a step of a few rows (a batch, a verification) repays a
-    small loss at one."""
+    plain decoding gives. So AMX takes either every step or only those of more rows (prompts). Each of its
+    tile products serves 16 rows where vdpbf16ps spends an instruction per row, so from a few rows on it is
+    the faster by far, while at one row the two stream a weight at about the same speed, either a little
+    ahead depending on the CPU. AMX takes every step where a step of one row and one of four (a lone
+    decode, then a short prompt, a small batch or a verification) cost it no more together than they cost
+    vdpbf16ps, timed once per machine: a small loss at one row is repaid, a large one is not. Judged at one
+    row alone, the choice would flip with the timing noise where the two tie."""
     if not native_amx():
         return 0
 
@@ -359,11 +361,16 @@ def _amx_rows() -> int:
         weights = [torch.randn(3072, 576, generator=gen).to(BF16) for _ in range(8)]
         vector = [_BF16Tiles(w, fma_rows=0, amx_rows=0) for w in weights]
         amx = [_BF16Tiles(w, fma_rows=0, amx_rows=1) for w in weights]
-        x = torch.randn(1, 576, generator=gen).to(BF16)
-        vector_time, amx_time = interleaved_best([lambda t=t: [w(x, None) for w in t] for t in (vector, amx)])
-        return _Plan(0 if amx_time <= 1.05 * vector_time else SAME_BITS_ROWS, keep_other=True)
+        xs = [torch.randn(rows, 576, generator=gen).to(BF16) for rows in (1, 4)]
+        times = interleaved_best(
+            [lambda t=t, x=x: [w(x, None) for w in t] for t in (vector, amx) for x in xs]
+        )
+        vector_time, amx_time = sum(times[:2]), sum(times[2:])
+        return _Plan(0 if amx_time <= vector_time else SAME_BITS_ROWS, keep_other=True)
 
-    return int(_remembered("bf16 vector rows before amx [3072, 576] x8", time_it).native_rows) + 1
+    return (
+        int(_remembered("bf16 vector rows before amx [3072, 576] x8, 1 and 4 rows", time_it).native_rows) + 1
+    )
 
 
 @cache

@@ -209,6 +209,27 @@ def test_amx_takes_every_step_or_none_of_up_to_20_rows(monkeypatch, vector_rows,
 
 
 @needs_native
+@pytest.mark.parametrize(
+    ("times", "amx_rows"),
+    [
+        ((600, 720, 660, 570), 1),  # a tenth slower at one row, far faster at four: every step
+        ((600, 720, 590, 730), 1),  # a tie: every step
+        ((600, 720, 800, 600), 21),  # much slower at one row, not repaid at four: prompts only
+    ],
+)
+def test_amx_takes_every_step_where_one_and_four_rows_cost_it_no_more(monkeypatch, times, amx_rows):
+    """The choice weighs a step of one row and one of four together (vdpbf16ps' times, then AMX's)."""
+    monkeypatch.setattr(cpu_linear, "native_amx", lambda: True)
+    monkeypatch.setattr(cpu_linear, "_remembered", lambda key, time_it: time_it())
+    monkeypatch.setattr(cpu_linear, "interleaved_best", lambda fns: list(times))
+    cpu_linear._amx_rows.cache_clear()
+    try:
+        assert cpu_linear._amx_rows() == amx_rows
+    finally:
+        cpu_linear._amx_rows.cache_clear()
+
+
+@needs_native
 @needs_bf16
 @needs_vnni
 @pytest.mark.parametrize("shape", [*MODEL_SHAPES, LM_HEAD], ids=str)
