@@ -50,8 +50,10 @@ _AMX_TILE_ROWS = 2048
 # them even where oneDNN measures faster, and take AMX only beyond.
 SAME_BITS_ROWS = 20
 # A step of up to this many rows may run whole in the native decoder (kernels/cpu/decoder.py), where every
-# layer's linear takes one of our routines for it.
-NATIVE_STEP_ROWS = 32
+# layer's linear takes one of our routines for it; layer by layer through Python, a step is some 300 calls.
+NATIVE_STEP_ROWS = 64
+# A dense weight's steps of up to this many rows run on our kernels whatever the timing (`_forced_rows`).
+FORCED_DENSE_ROWS = 32
 # How far ahead the quantized kernel may prefetch its weight stream, in bytes (`time_quant_prefetch`).
 QUANT_PREFETCH_BYTES = (1024, 2048, 4096)
 
@@ -418,14 +420,15 @@ def _dense_plan_on(n: int, k: int, threads: int) -> _Plan:
 
 def _forced_rows(native: bool, dense: bool = False) -> int:
     """Up to how many rows a native kernel with vector code serves a step whatever the timing (none without
-    vector code): `SAME_BITS_ROWS` (see `_amx_rows`), and for a dense weight every step the native decoder
-    takes whole (`NATIVE_STEP_ROWS`). Where oneDNN took such a step for one layer, the whole step would leave
-    the decoder for the layer-by-layer path, some 300 Python calls; and the two kernels' crossover lies near
-    there, where timing noise moves it by a third from one timing to the next. A quantized weight's larger
-    steps go through its dequantized tiles, which the decoder runs too."""
+    vector code): `SAME_BITS_ROWS` (see `_amx_rows`), and for a dense weight `FORCED_DENSE_ROWS`, a batch of
+    32 decoding sequences. Where oneDNN took such a step for one layer, the whole step would leave the native
+    decoder for the layer-by-layer path, some 300 Python calls; and the two kernels' crossover lies near
+    there on CPUs without AMX, where timing noise moves it by a third from one timing to the next. Beyond,
+    up to `NATIVE_STEP_ROWS`, the decoder takes the steps that every layer's timing leaves to our kernels. A
+    quantized weight's larger steps go through its dequantized tiles, which the decoder runs too."""
     if not native:
         return 0
-    return max(SAME_BITS_ROWS, NATIVE_STEP_ROWS) if dense else SAME_BITS_ROWS
+    return max(SAME_BITS_ROWS, FORCED_DENSE_ROWS) if dense else SAME_BITS_ROWS
 
 
 def _pack_dense(weight: torch.Tensor, keep_rows: bool, pad: bool) -> PackedLinear:

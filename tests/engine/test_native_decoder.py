@@ -9,7 +9,7 @@ import pytest
 from inference_engine import LLM, SamplingParams
 from inference_engine.attention.torch_backend import NATIVE_QUERY_MIN
 from inference_engine.layers.linear import LinearBase
-from kernels.cpu.linear import _DequantizedMatmul
+from kernels.cpu.linear import FORCED_DENSE_ROWS, _DequantizedMatmul
 
 from .conftest import PROMPTS
 
@@ -52,8 +52,8 @@ def test_native_decoder_equals_the_layer_by_layer_path(quantization):
     calls = []
     forward = native.llm_engine.runner.model.model.native.forward
     native.llm_engine.runner.model.model.native.forward = lambda *a: calls.append(len(a[0])) or forward(*a)
-    # The decoder takes steps of up to `max_rows` tokens, a limit timed on this CPU (32 where its kernels beat
-    # oneDNN's for short prompts, a few rows on a CPU with AMX): prompts go in batches that decode within it.
+    # The decoder takes steps of up to `max_rows` tokens, a limit timed on this CPU (up to 64 where every
+    # layer's kernel serves such steps): prompts go in batches that decode within it.
     # Short prompts prefill within it too; longer ones go layer by layer, and their decode steps come back.
     # A batch's decode steps carry only the prompts that did not stop at their first token.
     batch = min(native.llm_engine.runner.model.model.native.max_rows, 6)
@@ -65,6 +65,22 @@ def test_speculative_steps_through_the_native_decoder():
     native, plain = _pair(quantization="gguf", speculative_config=NGRAM)
     _assert_same(native, plain, PROMPTS[-4:])
     assert native.llm_engine.proposer.num_accepted_tokens > 0
+
+
+def test_bf16_prompts_above_the_forced_rows_prefill_in_one_call():
+    """A prompt of more than `FORCED_DENSE_ROWS` tokens, up to the decoder's limit, prefills in one native
+    call where every layer's timing leaves such steps to our kernels (through Python it would be some 300
+    calls), with the layer path's bits."""
+    native, plain = _pair(quantization="none")
+    decoder = native.llm_engine.runner.model.model.native
+    if decoder.max_rows <= FORCED_DENSE_ROWS:
+        pytest.skip(f"oneDNN took steps above {FORCED_DENSE_ROWS} rows for some layer here")
+    calls = []
+    forward = decoder.forward
+    decoder.forward = lambda *a: calls.append(len(a[0])) or forward(*a)
+    ids = native.get_tokenizer().encode(" ".join(PROMPTS * 3))[: decoder.max_rows]
+    _assert_same(native, plain, [{"prompt_token_ids": ids}])
+    assert calls[0] == decoder.max_rows == NATIVE_QUERY_MIN > FORCED_DENSE_ROWS
 
 
 def test_quantized_prompt_steps_beyond_the_native_kernels_rows():

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import kernels.cpu
-from inference_engine.attention.torch_backend import EVERY_LENGTH, decode_reference
+from inference_engine.attention.torch_backend import EVERY_LENGTH, NATIVE_QUERY_MIN, decode_reference
 from kernels.cpu import attention as cpu_attention
 from kernels.reference import paged_decode_attention_ref
 
@@ -210,16 +210,17 @@ MIXED = [
 ]
 
 
-@pytest.mark.parametrize("limit", [32, 1024], ids=["limit32", "limit1024"])
+@pytest.mark.parametrize("limit", [NATIVE_QUERY_MIN, 1024], ids=["no-extend", "limit1024"])
 @pytest.mark.parametrize("native", ["extend", "per-token", "pytorch"])
 @pytest.mark.parametrize(("seq_lens", "query_lens", "block_size", "dtype"), MIXED)
 def test_backend_matches_extend_reference(
     paged_kv, rand, assert_close, monkeypatch, native, limit, seq_lens, query_lens, block_size, dtype
 ):
     """The CPU backend on a whole step against the per-sequence causal reference: each token of a chunk of
-    up to 32 tokens run as a query of the decode kernel, longer ones up to `limit` tokens through the extend
-    kernel (bf16 only; `per-token`: without it, as queries of the decode kernel too), the rest (or, without
-    native kernels, every chunk) through SDPA. The limit is pinned, as either CPU kind measures it."""
+    up to `NATIVE_QUERY_MIN` tokens run as a query of the decode kernel, longer ones up to `limit` tokens
+    through the extend kernel (bf16 only; `per-token`: without it, as queries of the decode kernel too), the
+    rest (or, without native kernels, every chunk) through SDPA. The limit is pinned, as CPUs measure it:
+    no longer than the decode kernel's chunks (no extend kernel), or far longer."""
     from inference_engine.attention import torch_backend
     from kernels.reference import paged_extend_attention_ref
 
@@ -267,31 +268,36 @@ def test_every_query_token_attends_to_its_prefix(query_lens):
 
 
 @pytest.mark.parametrize(
-    ("native_cost", "expected"),
+    ("native_cost", "expected", "timed_lengths"),
     [
-        (lambda n: n * n * 1e-6, 64),  # quadratic native against linear SDPA: they cross at 100 tokens
-        (lambda n: 1e-9, EVERY_LENGTH),  # native faster at every length timed: at every length
-        (lambda n: 1.0, 32),  # never faster: only the chunks that always run native
+        # quadratic native against linear SDPA: they cross at 200 tokens
+        (lambda n: n * n * 5e-7, 128, [64, 128, 256]),
+        # native faster at every length timed: at every length
+        (lambda n: 1e-9, EVERY_LENGTH, [64, 128, 256, 512, 1024]),
+        # never faster: only the chunks that always run native
+        (lambda n: 1.0, NATIVE_QUERY_MIN, [64]),
     ],
 )
-def test_longest_faster_stops_at_the_crossover(native_cost, expected):
+def test_longest_faster_stops_at_the_crossover(native_cost, expected, timed_lengths):
     from inference_engine.attention.torch_backend import longest_faster
 
     timed = []
     result = longest_faster(lambda n: timed.append(n) or native_cost(n), lambda n: n * 1e-4)
     assert result == expected
-    assert timed == [n for n in (64, 128, 256, 512, 1024) if n <= max(expected * 2, 64)]
+    assert timed == timed_lengths
 
 
 def test_native_query_max_is_measured_per_shape(monkeypatch):
     from inference_engine.attention import torch_backend
 
     measured = torch_backend.native_query_max(9, 3, 64, BF16, 2)
-    assert measured in (32, 64, 128, 256, 512, 1024, EVERY_LENGTH)
+    assert measured in (NATIVE_QUERY_MIN, 128, 256, 512, 1024, EVERY_LENGTH)
     torch_backend.native_query_max.cache_clear()
     monkeypatch.setattr(cpu_attention, "paged_extend", lambda *args: False)
     monkeypatch.setattr(cpu_attention, "paged_decode", lambda *args: None)
-    assert torch_backend.native_query_max(9, 3, 64, BF16, 2) == 32  # no kernel: every long chunk to SDPA
+    assert (
+        torch_backend.native_query_max(9, 3, 64, BF16, 2) == NATIVE_QUERY_MIN
+    )  # no kernel: long chunks to SDPA
     torch_backend.native_query_max.cache_clear()
 
 

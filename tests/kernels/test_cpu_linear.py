@@ -242,8 +242,8 @@ def test_the_native_kernels_serve_steps_of_up_to_20_rows(gen, shape):
 @needs_native
 @needs_bf16
 def test_dense_weights_serve_every_step_the_native_decoder_takes(monkeypatch, gen):
-    """Even where oneDNN times faster right above the rows the kernel serves whatever the timing: a layer that
-    left a step of up to `NATIVE_STEP_ROWS` rows to oneDNN would send every such step through the
+    """Steps of up to `FORCED_DENSE_ROWS` rows, even where oneDNN times faster right above the rows the kernel
+    serves whatever the timing: a layer that left such a step to oneDNN would send it through the
     layer-by-layer path instead of the native decoder."""
 
     def onednn_faster_above_floor(*args, floor: int = 0, **kwargs) -> cpu_linear._Plan:
@@ -256,7 +256,7 @@ def test_dense_weights_serve_every_step_the_native_decoder_takes(monkeypatch, ge
         packed = cpu_linear.pack(rand(gen, 576, 1536), BF16)
     finally:
         cpu_linear._dense_plan_on.cache_clear()
-    assert packed.small_rows >= cpu_linear.NATIVE_STEP_ROWS
+    assert packed.small_rows >= cpu_linear.FORCED_DENSE_ROWS
 
 
 @needs_native
