@@ -1,11 +1,12 @@
 """A Llama-family decoder's forward pass for a few bf16 tokens in one native call (`csrc/decoder.c`).
 
-Decode steps and speculative verification run a handful of tokens through every layer; through Python that
-is some 300 calls a step, each converting arguments and allocating outputs, which at batch 1 cost as much
-as the attention. `NativeDecoder` describes the model once (packed weights, norms, caches, rotary tables),
-allocates its scratch once, and runs all layers in one call, through the same kernels in the same order as
-the layer-by-layer path, so both give the same bits. Given the LM head and the embeddings (`attach_head`),
-`generate` runs several decode steps in one call, each step's tokens chosen as the sampler chooses them.
+Decode steps, speculative verification and short prompts run a few dozen tokens at most through every
+layer; through Python that is some 300 calls a step, each converting arguments and allocating outputs,
+which at batch 1 cost as much as the attention. `NativeDecoder` describes the model once (packed weights,
+norms, caches, rotary tables), allocates its scratch once, and runs all layers in one call, through the
+same kernels in the same order as the layer-by-layer path, so both give the same bits. Given the LM head
+and the embeddings (`attach_head`), `generate` runs several decode steps in one call, each step's tokens
+chosen as the sampler chooses them.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-/* A Llama-family decoder's forward pass for a few tokens (decode steps, speculative drafts), bf16, all layers
- * in one call; and several decode steps in one call (decoder_generate).
+/* A Llama-family decoder's forward pass for a few tokens (decode steps, speculative drafts, short prompts),
+ * bf16, all layers in one call; and several decode steps in one call (decoder_generate).
  *
  * At batch 1 a decode step reads every weight once; the arithmetic is the kernels' (linear_bf16.c,
  * linear_quant.c, paged_decode.c, fused_ops.c, kv_store.c). What one call saves is the interpreter: a step
