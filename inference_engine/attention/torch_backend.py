@@ -23,12 +23,12 @@ import torch.nn.functional as F
 
 from inference_engine.attention import AttentionMetadata
 from kernels.cpu import attention as cpu_attention
-from kernels.cpu.linear import NATIVE_STEP_ROWS
 from kernels.timing import best_time
 
-# Chunks of up to this many new tokens always run on the native kernel, one query a token: the native decoder
-# takes steps of up to as many rows, their attention through the same kernel.
-NATIVE_QUERY_MIN = NATIVE_STEP_ROWS
+# Chunks of up to this many new tokens always run on the native kernel, one query a token, and so can run in
+# the native decoder wherever SDPA would be faster for them (a prompt of a few dozen tokens pays more for
+# going layer by layer through Python than per-token attention costs it).
+NATIVE_QUERY_MIN = 64
 _CALIBRATION_LENGTHS = (64, 128, 256, 512, 1024)  # longer would make the timing itself costly
 EVERY_LENGTH = 2**31 - 1  # the native kernels' limit where they beat SDPA at every calibration length
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from inference_engine.attention import AttentionMetadata
-from inference_engine.attention.torch_backend import NATIVE_QUERY_MIN
+from inference_engine.attention.torch_backend import NATIVE_QUERY_MIN, native_query_max
 from inference_engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from inference_engine.layers.linear import (
     LinearBase,
@@ -27,9 +27,10 @@ from inference_engine.layers.norm import RMSNorm, triton_fused
 from inference_engine.layers.rotary import RotaryEmbedding
 from inference_engine.model_loader import ModelConfig
 from kernels.cpu import fused as cpu_fused
+from kernels.cpu.linear import NATIVE_STEP_ROWS
 
 if TYPE_CHECKING:
-    from kernels.cpu.decoder import NativeDecoder
+    from kernels.cpu.decoder import Extend, NativeDecoder
 
 
 class LlamaAttention(nn.Module):
@@ -159,16 +160,35 @@ class LlamaModel(nn.Module):
             cos=attn.rotary.cos,
             sin=attn.rotary.sin,
             final_norm=self.norm.weight,
-            max_rows=min(rows, NATIVE_QUERY_MIN),
+            max_rows=min(rows, NATIVE_STEP_ROWS),
         )
         return True
+
+    def _native_extend(self, meta: AttentionMetadata) -> Extend | bool | None:
+        """The sequences whose attention goes through the extend kernel in this step, as `torch_backend`
+        sends them (None: none); False where a chunk is too long for the native kernels (SDPA takes it)."""
+        from kernels.cpu.decoder import Extend
+
+        if meta.max_query_len <= NATIVE_QUERY_MIN:
+            return None
+        attn = self.layers[0].self_attn
+        threads = torch.get_num_threads()
+        limit = native_query_max(attn.num_heads, attn.num_kv_heads, attn.head_dim, torch.bfloat16, threads)
+        if meta.max_query_len > limit:
+            return False
+        return Extend(meta.query_start_loc, meta.seq_lens, meta.block_tables, NATIVE_QUERY_MIN + 1, limit)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
         if self.native is not None and len(input_ids) <= self.native.max_rows:
-            return self.native.forward(hidden.contiguous(), positions, meta.slot_mapping, *meta.per_token())
+            extend = self._native_extend(meta)
+            if extend is not False:
+                per_token = meta.per_token()
+                return self.native.forward(
+                    hidden.contiguous(), positions, meta.slot_mapping, *per_token, extend
+                )
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, meta)
         hidden, _ = self.norm(hidden, residual)

@@ -55,6 +55,13 @@ class _Sampling(ctypes.Structure):
     ]
 
 
+class _Extend(ctypes.Structure):
+    _fields_ = [
+        *((name, ctypes.c_int) for name in ("batch", "lo", "hi", "max_blocks")),
+        *((name, ctypes.c_void_p) for name in ("query_start_loc", "seq_lens", "tables")),
+    ]
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [
         ("input_norm", ctypes.c_void_p),
@@ -111,6 +118,21 @@ def native_rows(packed: PackedLinear) -> int:
     return int(min(rows, _MAX_ROWS))
 
 
+@dataclass
+class Extend:
+    """A step's sequences (`AttentionMetadata`'s) and the new-token counts, lo to hi inclusive, of those whose
+    attention goes through the extend kernel."""
+
+    query_start_loc: torch.Tensor  # [batch + 1]
+    seq_lens: torch.Tensor  # [batch]
+    block_tables: torch.Tensor  # [batch, max_blocks]
+    lo: int
+    hi: int
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.query_start_loc, self.seq_lens, self.block_tables
+
+
 class NativeDecoder:
     def __init__(
         self,
@@ -164,7 +186,9 @@ class NativeDecoder:
                 self.intermediate,
             )
         ]
-        self.fn = function("decoder_forward", i32, ptr, ptr, i32, ptr, ptr, ptr, i32, ptr, *[ptr] * 6, i32)
+        self.fn = function(
+            "decoder_forward", i32, ptr, ptr, i32, ptr, ptr, ptr, i32, ptr, ptr, *[ptr] * 6, i32
+        )
         self.generate_fn = function(
             "decoder_generate", i32, *[ptr] * 5, i32, i32, ptr, ptr, ptr, i32, ptr, *[ptr] * 9, i32, i32
         )
@@ -217,11 +241,19 @@ class NativeDecoder:
         slots: torch.Tensor,  # [m] int64 cache slot of each token
         tables: torch.Tensor,  # [m, max_blocks] int32 block table of each token's sequence
         lens: torch.Tensor,  # [m] int32 tokens each token attends to (itself included)
+        extend: Extend | None = None,
     ) -> torch.Tensor:
+        """`extend`: the sequences whose new tokens attend through the extend kernel, as the layer path
+        sends them there (every other token is a query of the decode kernel)."""
         m = hidden.shape[0]
         if m > self.max_rows:
             raise ValueError(f"the native decoder takes at most {self.max_rows} tokens, got {m}.")
         tables = tables.to(torch.int32).contiguous()
+        chunks = None
+        if extend is not None:
+            keep = [t.to(torch.int32).contiguous() for t in extend.tensors()]
+            batch, max_blocks = keep[2].shape
+            chunks = _Extend(batch, extend.lo, extend.hi, max_blocks, *(t.data_ptr() for t in keep))
         status = self.fn(
             ctypes.addressof(self.desc),
             hidden.data_ptr(),
@@ -231,6 +263,7 @@ class NativeDecoder:
             tables.data_ptr(),
             tables.shape[1],
             lens.to(torch.int32).contiguous().data_ptr(),
+            None if chunks is None else ctypes.addressof(chunks),
             *(t.data_ptr() for t in self.scratch),
             torch.get_num_threads(),
         )

@@ -51,8 +51,9 @@ _AMX_TILE_ROWS = 2048
 SAME_BITS_ROWS = 20
 # A step of up to this many rows may run whole in the native decoder (kernels/cpu/decoder.py), where every
 # layer's linear takes one of our routines for it; layer by layer through Python, a step is some 300 calls.
-NATIVE_STEP_ROWS = 64
-# A dense weight's steps of up to this many rows run on our kernels whatever the timing (`_forced_rows`).
+NATIVE_STEP_ROWS = 256
+# A dense weight's steps of up to this many rows run on our kernels whatever the timing, where AMX does not
+# take every bf16 step (`_forced_rows`).
 FORCED_DENSE_ROWS = 32
 # How far ahead the quantized kernel may prefetch its weight stream, in bytes (`time_quant_prefetch`).
 QUANT_PREFETCH_BYTES = (1024, 2048, 4096)
@@ -288,9 +289,9 @@ def _timed_plan(
 
 def _search(native_faster: Callable[..., bool], other_costs_memory: bool, floor: int = 0) -> _Plan:
     margin = 1.1 if other_costs_memory else 1.0
-    if all(native_faster(rows, margin) for rows in (_LARGE_ROWS // 2, _LARGE_ROWS)):
+    if all(native_faster(rows, margin) for rows in (_LARGE_ROWS // 2, _LARGE_ROWS) if rows > floor):
         return _Plan(_ALL, keep_other=False)
-    candidates = [rows for rows in _CANDIDATE_ROWS if rows > floor]
+    candidates = [rows for rows in _CANDIDATE_ROWS if rows > floor]  # none above the largest: the floor
     low, high = 0, len(candidates)  # candidates[:low] measured faster, candidates[high:] not
     while low < high:
         middle = (low + high) // 2
@@ -298,7 +299,7 @@ def _search(native_faster: Callable[..., bool], other_costs_memory: bool, floor:
             low = middle + 1
         else:
             high = middle
-    if low == len(candidates):
+    if candidates and low == len(candidates):
         return _Plan(_ALL, keep_other=False)
     return _Plan(candidates[low - 1] if low else floor, keep_other=True)
 
@@ -420,15 +421,18 @@ def _dense_plan_on(n: int, k: int, threads: int) -> _Plan:
 
 def _forced_rows(native: bool, dense: bool = False) -> int:
     """Up to how many rows a native kernel with vector code serves a step whatever the timing (none without
-    vector code): `SAME_BITS_ROWS` (see `_amx_rows`), and for a dense weight `FORCED_DENSE_ROWS`, a batch of
-    32 decoding sequences. Where oneDNN took such a step for one layer, the whole step would leave the native
-    decoder for the layer-by-layer path, some 300 Python calls; and the two kernels' crossover lies near
-    there on CPUs without AMX, where timing noise moves it by a third from one timing to the next. Beyond,
-    up to `NATIVE_STEP_ROWS`, the decoder takes the steps that every layer's timing leaves to our kernels. A
-    quantized weight's larger steps go through its dequantized tiles, which the decoder runs too."""
+    vector code): `SAME_BITS_ROWS` (see `_amx_rows`), and for a dense weight every step the native decoder
+    may take (`NATIVE_STEP_ROWS`) where AMX takes every bf16 step, else `FORCED_DENSE_ROWS`, a batch of 32
+    decoding sequences. Where oneDNN took such a step for one layer, the whole step would leave the decoder
+    for the layer-by-layer path, some 300 Python calls, which cost more than oneDNN saves there: with AMX
+    our routine stays within a sixth of oneDNN's up to 256 rows, and without it the two kernels' crossover
+    lies near 32 rows, where timing noise moves it by a third from one timing to the next. A quantized
+    weight's larger steps go through its dequantized tiles, which the decoder runs too."""
     if not native:
         return 0
-    return max(SAME_BITS_ROWS, FORCED_DENSE_ROWS) if dense else SAME_BITS_ROWS
+    if not dense:
+        return SAME_BITS_ROWS
+    return max(SAME_BITS_ROWS, NATIVE_STEP_ROWS if cheap_bf16_rows() else FORCED_DENSE_ROWS)
 
 
 def _pack_dense(weight: torch.Tensor, keep_rows: bool, pad: bool) -> PackedLinear:

@@ -5,13 +5,16 @@ speculative verification."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from inference_engine import LLM, SamplingParams
-from inference_engine.attention.torch_backend import NATIVE_QUERY_MIN
+from inference_engine.attention.torch_backend import NATIVE_QUERY_MIN, native_query_max
 from inference_engine.layers.linear import LinearBase
 from kernels.cpu.linear import FORCED_DENSE_ROWS, _DequantizedMatmul
 
 from .conftest import PROMPTS
+
+BF16 = torch.bfloat16
 
 # Proposals at any batch size: the four prompts run together, above the CPU default for quantized weights.
 NGRAM = {
@@ -67,10 +70,12 @@ def test_speculative_steps_through_the_native_decoder():
     assert native.llm_engine.proposer.num_accepted_tokens > 0
 
 
-def test_bf16_prompts_above_the_forced_rows_prefill_in_one_call():
-    """A prompt of more than `FORCED_DENSE_ROWS` tokens, up to the decoder's limit, prefills in one native
-    call where every layer's timing leaves such steps to our kernels (through Python it would be some 300
-    calls), with the layer path's bits."""
+def test_bf16_steps_above_the_forced_rows_run_in_one_call():
+    """A step of more than `FORCED_DENSE_ROWS` tokens, up to the decoder's limit, runs in one native call
+    where every layer's timing leaves such steps to our kernels (through Python it would be some 300 calls),
+    with the layer path's bits: here a long prompt between short ones, whose attention takes the extend
+    kernel where the layer path sends it there (chunks above `NATIVE_QUERY_MIN` tokens) and the decode
+    kernel for the runs of rows before and after it."""
     native, plain = _pair(quantization="none")
     decoder = native.llm_engine.runner.model.model.native
     if decoder.max_rows <= FORCED_DENSE_ROWS:
@@ -78,9 +83,15 @@ def test_bf16_prompts_above_the_forced_rows_prefill_in_one_call():
     calls = []
     forward = decoder.forward
     decoder.forward = lambda *a: calls.append(len(a[0])) or forward(*a)
-    ids = native.get_tokenizer().encode(" ".join(PROMPTS * 3))[: decoder.max_rows]
-    _assert_same(native, plain, [{"prompt_token_ids": ids}])
-    assert calls[0] == decoder.max_rows == NATIVE_QUERY_MIN > FORCED_DENSE_ROWS
+    tokenizer = native.get_tokenizer()
+    short = [tokenizer.encode(p) for p in PROMPTS[:3]]
+    attn = native.llm_engine.runner.model.model.layers[0].self_attn
+    limit = native_query_max(attn.num_heads, attn.num_kv_heads, attn.head_dim, BF16, torch.get_num_threads())
+    longest = min(decoder.max_rows - sum(map(len, short)), limit)  # beyond the limit, SDPA: the layer path
+    long = tokenizer.encode(" ".join(PROMPTS * 6))[:longest]
+    prompts = [{"prompt_token_ids": ids} for ids in (short[0], long, *short[1:])]
+    _assert_same(native, plain, prompts)
+    assert calls[0] == len(long) + sum(map(len, short)) > FORCED_DENSE_ROWS
 
 
 def test_quantized_prompt_steps_beyond_the_native_kernels_rows():
@@ -103,4 +114,4 @@ def test_quantized_prompt_steps_beyond_the_native_kernels_rows():
     decoder.forward = lambda *a: calls.append(len(a[0])) or forward(*a)
     ids = native.get_tokenizer().encode(" ".join(PROMPTS))[:NATIVE_QUERY_MIN]
     _assert_same(native, plain, [{"prompt_token_ids": ids}])
-    assert decoder.max_rows == NATIVE_QUERY_MIN and calls[0] == NATIVE_QUERY_MIN > kernel_rows
+    assert decoder.max_rows >= NATIVE_QUERY_MIN and calls[0] == NATIVE_QUERY_MIN > kernel_rows

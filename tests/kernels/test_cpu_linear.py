@@ -690,6 +690,8 @@ def test_plans_are_timed_once_per_machine(tmp_path, monkeypatch):
         (lambda rows: rows <= 12, 20, 20),  # loses at every row count above the floor
         (lambda rows: rows <= 100, 0, 64),
         (lambda rows: True, 20, cpu_linear._ALL),
+        (lambda rows: rows <= 300, 256, 256),  # a floor at the largest candidate: oneDNN above it
+        (lambda rows: True, 256, cpu_linear._ALL),
     ],
 )
 def test_the_plan_looks_for_the_crossover_above_the_rows_the_kernel_serves_anyway(wins, floor, expected):

@@ -36,6 +36,10 @@ void sample_rows_f32(const float *logits, int rows, int vocab, const float *temp
 int paged_decode(const void *q, long q_stride, const void *k_cache, const void *v_cache, const int32_t *block_tables,
                  int max_blocks, const int32_t *seq_lens, void *out, int batch, int heads, int kv_heads, int head_dim,
                  int block_size, int is_bf16, float scale, int num_threads);
+int paged_extend(const uint16_t *q, long q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                 const int32_t *block_tables, int max_blocks, const int32_t *query_start_loc, const int32_t *seq_lens,
+                 uint16_t *out, int batch, int heads, int kv_heads, int head_dim, int block_size, int min_query_len,
+                 int max_query_len, float scale, int num_threads);
 
 enum { LINEAR_BF16 = 1, LINEAR_QUANT = 2 };
 
@@ -65,6 +69,14 @@ struct burst_sampling {
     const int64_t *draft;
     const double *uniforms;
     uint8_t *accepted;
+};
+
+/* A step's sequences, for the attention of those bringing `lo` to `hi` new tokens through the extend kernel, as
+ * the layer path runs them (inference_engine/attention/torch_backend.py); every other token is a query of the
+ * decode kernel. query_start_loc [batch + 1], seq_lens [batch], tables [batch, max_blocks]. */
+struct extend_op {
+    int batch, lo, hi, max_blocks;
+    const int32_t *query_start_loc, *seq_lens, *tables;
 };
 
 struct decoder_layer {
@@ -122,13 +134,45 @@ void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int rows, int width, 
     }
 }
 
+/* The step's attention into attn [m, heads D]: each token a query of the decode kernel over the first lens[t]
+ * cached tokens of its sequence, but for the sequences `extend` gives the extend kernel (where it runs here;
+ * where it does not, they are decode queries too, as in the layer path). */
+static int attend(const struct decoder *d, const struct decoder_layer *layer, const uint16_t *qkv, long qkv_row,
+                  int m, const int32_t *tables, int max_blocks, const int32_t *lens, const struct extend_op *extend,
+                  uint16_t *attn, int threads) {
+    int D = d->head_dim, q_width = d->heads * D;
+    if (!extend || paged_extend(qkv, qkv_row, layer->k_cache, layer->v_cache, extend->tables, extend->max_blocks,
+                                extend->query_start_loc, extend->seq_lens, attn, extend->batch, d->heads,
+                                d->kv_heads, D, d->block_size, extend->lo, extend->hi, d->scale, threads))
+        return paged_decode(qkv, qkv_row, layer->k_cache, layer->v_cache, tables, max_blocks, lens, attn, m, d->heads,
+                            d->kv_heads, D, d->block_size, 1, d->scale, threads);
+    /* The other sequences' tokens, a run of consecutive rows at a time. */
+    const int32_t *starts = extend->query_start_loc;
+    for (int b = 0, first = 0; b <= extend->batch; b++) {
+        int extended = b < extend->batch && starts[b + 1] - starts[b] >= extend->lo &&
+                       starts[b + 1] - starts[b] <= extend->hi;
+        if (b < extend->batch && !extended) continue;
+        int end = starts[b], rows = end - first;
+        if (rows > 0) {
+            int status = paged_decode(qkv + (long)first * qkv_row, qkv_row, layer->k_cache, layer->v_cache,
+                                      tables + (long)first * max_blocks, max_blocks, lens + first,
+                                      attn + (long)first * q_width, rows, d->heads, d->kv_heads, D, d->block_size, 1,
+                                      d->scale, threads);
+            if (status) return status;
+        }
+        if (b < extend->batch) first = starts[b + 1];
+    }
+    return 0;
+}
+
 /* hidden [m, H]: the tokens' embeddings in, the final norm of the last layer's output out. Token t is at
  * positions[t], stored to slots[t], and attends over the first lens[t] cached tokens of its sequence
- * (tables: [m, max_blocks]). Scratch: residual [m, H], normed [m, H], qkv [m, (heads + 2 kv_heads) D],
+ * (tables: [m, max_blocks]); `extend` (or null) as `attend` takes it. Scratch: residual [m, H], normed [m, H], qkv [m, (heads + 2 kv_heads) D],
  * attn [m, heads D], gate_up [m, 2 I], act [m, I]. Returns 0, or the first failing kernel's status. */
 int decoder_forward(const struct decoder *d, uint16_t *hidden, int m, const int64_t *positions, const int64_t *slots,
-                    const int32_t *tables, int max_blocks, const int32_t *lens, uint16_t *residual, uint16_t *normed,
-                    uint16_t *qkv, uint16_t *attn, uint16_t *gate_up, uint16_t *act, int threads) {
+                    const int32_t *tables, int max_blocks, const int32_t *lens, const struct extend_op *extend,
+                    uint16_t *residual, uint16_t *normed, uint16_t *qkv, uint16_t *attn, uint16_t *gate_up,
+                    uint16_t *act, int threads) {
     int H = d->hidden, D = d->head_dim, q_width = d->heads * D, kv_width = d->kv_heads * D;
     long qkv_row = q_width + 2L * kv_width;
     for (int l = 0; l < d->num_layers; l++) {
@@ -146,9 +190,7 @@ int decoder_forward(const struct decoder *d, uint16_t *hidden, int m, const int6
                           qkv_row * 2, (char *)layer->k_cache, (char *)layer->v_cache, slots, m, d->num_slots,
                           kv_width * 2);
         if (status) return status;
-        status = paged_decode(qkv, qkv_row, layer->k_cache, layer->v_cache, tables, max_blocks, lens, attn, m,
-                              d->heads, d->kv_heads, D, d->block_size, 1, d->scale, threads);
-        if (status) return status;
+        if ((status = attend(d, layer, qkv, qkv_row, m, tables, max_blocks, lens, extend, attn, threads))) return status;
         if ((status = linear(&layer->o, attn, q_width, m, hidden, threads))) return status;
         add_rms_norm_bf16(hidden, residual, residual, layer->post_norm, normed, m, H, d->eps, threads);
         if ((status = linear(&layer->gate_up, normed, H, m, gate_up, threads))) return status;
@@ -180,7 +222,7 @@ int decoder_generate(const struct decoder *d, const struct linear_op *head, cons
     long vocab = head->out_features, cells = vocab * m;
     for (int s = 0; s < steps; s++) {
         long at = (long)s * m;
-        int status = decoder_forward(d, hidden, m, positions + at, slots + at, tables, max_blocks, lens + at,
+        int status = decoder_forward(d, hidden, m, positions + at, slots + at, tables, max_blocks, lens + at, 0,
                                      residual, normed, qkv, attn, gate_up, act, threads);
         if (status || (status = linear(head, hidden, d->hidden, m, logits, threads))) return status;
         for (long i = 0; i < cells; i++) wide[i] = bf16_to_float(logits[i]);
