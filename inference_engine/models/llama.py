@@ -115,8 +115,9 @@ class LlamaModel(nn.Module):
         self.native: NativeDecoder | None = None
 
     def use_native_decoder(self) -> bool:
-        """Runs steps of up to a few tokens through `kernels.cpu.decoder` from now on, where this model can
-        (bf16 on the CPU, unsharded, every linear layer one weight on a native kernel); False otherwise."""
+        """Runs steps of up to a few hundred tokens through `kernels.cpu.decoder` from now on, where this
+        model can (bf16 on the CPU, unsharded, every linear layer one weight on a native kernel); False
+        otherwise."""
         from kernels.cpu import available, decoder
 
         attn = self.layers[0].self_attn

@@ -1,7 +1,7 @@
-"""A Llama-family decoder's forward pass for a few bf16 tokens in one native call (`csrc/decoder.c`).
+"""A Llama-family decoder's forward pass for a step of bf16 tokens in one native call (`csrc/decoder.c`).
 
-Decode steps, speculative verification and short prompts run a few dozen tokens at most through every
-layer; through Python that is some 300 calls a step, each converting arguments and allocating outputs,
+Decode steps, speculative verification and prompts of up to a few hundred tokens run through every layer
+here; through Python that is some 300 calls a step, each converting arguments and allocating outputs,
 which at batch 1 cost as much as the attention. `NativeDecoder` describes the model once (packed weights,
 norms, caches, rotary tables), allocates its scratch once, and runs all layers in one call, through the
 same kernels in the same order as the layer-by-layer path, so both give the same bits. Given the LM head

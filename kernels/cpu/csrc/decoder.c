@@ -1,5 +1,6 @@
-/* A Llama-family decoder's forward pass for a few tokens (decode steps, speculative drafts, short prompts),
- * bf16, all layers in one call; and several decode steps in one call (decoder_generate).
+/* A Llama-family decoder's forward pass for a step of tokens (decode steps, speculative drafts, prompts of up
+ * to a few hundred tokens), bf16, all layers in one call; and several decode steps in one call
+ * (decoder_generate).
  *
  * At batch 1 a decode step reads every weight once; the arithmetic is the kernels' (linear_bf16.c,
  * linear_quant.c, paged_decode.c, fused_ops.c, kv_store.c). What one call saves is the interpreter: a step
@@ -167,8 +168,9 @@ static int attend(const struct decoder *d, const struct decoder_layer *layer, co
 
 /* hidden [m, H]: the tokens' embeddings in, the final norm of the last layer's output out. Token t is at
  * positions[t], stored to slots[t], and attends over the first lens[t] cached tokens of its sequence
- * (tables: [m, max_blocks]); `extend` (or null) as `attend` takes it. Scratch: residual [m, H], normed [m, H], qkv [m, (heads + 2 kv_heads) D],
- * attn [m, heads D], gate_up [m, 2 I], act [m, I]. Returns 0, or the first failing kernel's status. */
+ * (tables: [m, max_blocks]), or as `extend` (null: none) says. Scratch: residual [m, H], normed [m, H],
+ * qkv [m, (heads + 2 kv_heads) D], attn [m, heads D], gate_up [m, 2 I], act [m, I]. Returns 0, or the first
+ * failing kernel's status. */
 int decoder_forward(const struct decoder *d, uint16_t *hidden, int m, const int64_t *positions, const int64_t *slots,
                     const int32_t *tables, int max_blocks, const int32_t *lens, const struct extend_op *extend,
                     uint16_t *residual, uint16_t *normed, uint16_t *qkv, uint16_t *attn, uint16_t *gate_up,
@@ -190,7 +192,8 @@ int decoder_forward(const struct decoder *d, uint16_t *hidden, int m, const int6
                           qkv_row * 2, (char *)layer->k_cache, (char *)layer->v_cache, slots, m, d->num_slots,
                           kv_width * 2);
         if (status) return status;
-        if ((status = attend(d, layer, qkv, qkv_row, m, tables, max_blocks, lens, extend, attn, threads))) return status;
+        status = attend(d, layer, qkv, qkv_row, m, tables, max_blocks, lens, extend, attn, threads);
+        if (status) return status;
         if ((status = linear(&layer->o, attn, q_width, m, hidden, threads))) return status;
         add_rms_norm_bf16(hidden, residual, residual, layer->post_norm, normed, m, H, d->eps, threads);
         if ((status = linear(&layer->gate_up, normed, H, m, gate_up, threads))) return status;
