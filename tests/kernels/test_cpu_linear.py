@@ -194,18 +194,22 @@ def test_dense_bf16_rows_get_their_own_bits_in_steps_of_up_to_20(gen):
         assert torch.equal(routine(x[:rows], bias), alone[:rows]), rows
 
 
+@pytest.fixture
+def fresh_amx_rows():
+    """`_amx_rows`, worked out again in the test and forgotten after it (the process keeps its answer)."""
+    cpu_linear._amx_rows.cache_clear()
+    yield cpu_linear._amx_rows
+    cpu_linear._amx_rows.cache_clear()
+
+
 @needs_native
 @needs_amx
 @pytest.mark.parametrize(("vector_rows", "amx_rows"), [(0, 1), (cpu_linear.SAME_BITS_ROWS, 21)])
-def test_amx_takes_every_step_or_none_of_up_to_20_rows(monkeypatch, vector_rows, amx_rows):
+def test_amx_takes_every_step_or_none_of_up_to_20_rows(monkeypatch, fresh_amx_rows, vector_rows, amx_rows):
     """The timed choice maps to AMX from the first row or from the 21st, never in between, where a row's bits
     would change with the rows sharing its step."""
     monkeypatch.setattr(cpu_linear, "_remembered", lambda key, time_it: cpu_linear._Plan(vector_rows, True))
-    cpu_linear._amx_rows.cache_clear()
-    try:
-        assert cpu_linear._amx_rows() == amx_rows
-    finally:
-        cpu_linear._amx_rows.cache_clear()
+    assert fresh_amx_rows() == amx_rows
 
 
 @needs_native
@@ -217,16 +221,14 @@ def test_amx_takes_every_step_or_none_of_up_to_20_rows(monkeypatch, vector_rows,
         ((600, 720, 800, 600), 21),  # much slower at one row, not repaid at four: prompts only
     ],
 )
-def test_amx_takes_every_step_where_one_and_four_rows_cost_it_no_more(monkeypatch, times, amx_rows):
+def test_amx_takes_every_step_where_one_and_four_rows_cost_it_no_more(
+    monkeypatch, fresh_amx_rows, times, amx_rows
+):
     """The choice weighs a step of one row and one of four together (vdpbf16ps' times, then AMX's)."""
     monkeypatch.setattr(cpu_linear, "native_amx", lambda: True)
     monkeypatch.setattr(cpu_linear, "_remembered", lambda key, time_it: time_it())
     monkeypatch.setattr(cpu_linear, "interleaved_best", lambda fns: list(times))
-    cpu_linear._amx_rows.cache_clear()
-    try:
-        assert cpu_linear._amx_rows() == amx_rows
-    finally:
-        cpu_linear._amx_rows.cache_clear()
+    assert fresh_amx_rows() == amx_rows
 
 
 @needs_native
