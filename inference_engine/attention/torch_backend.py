@@ -55,9 +55,7 @@ def forward(
     if meta.decode_only:
         return _decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
     starts = list(accumulate(meta.query_lens, initial=0))
-    limit = NATIVE_QUERY_MIN
-    if meta.max_query_len > limit:
-        limit = native_query_max(q.shape[1], k_cache.shape[2], q.shape[2], q.dtype, torch.get_num_threads())
+    limit = native_limit(meta, q.shape[1], k_cache.shape[2], q.shape[2], q.dtype)
     out = torch.empty_like(q)
     extended = set()
     if limit > NATIVE_QUERY_MIN and cpu_attention.paged_extend(
@@ -106,6 +104,16 @@ def forward(
             mask, causal = torch.arange(ctx_len + q_len, device=q.device).unsqueeze(0) <= pos_q, False
         out[start:end] = _sdpa(q[start:end], keys, values, mask, causal, scale)
     return out
+
+
+def native_limit(
+    meta: AttentionMetadata, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
+    """The longest chunk of this step that the native kernels take (`forward`; the native decoder sends its
+    steps' attention the same way): `NATIVE_QUERY_MIN`, or where a chunk is longer, `native_query_max`."""
+    if meta.max_query_len <= NATIVE_QUERY_MIN:
+        return NATIVE_QUERY_MIN
+    return native_query_max(heads, kv_heads, head_dim, dtype, torch.get_num_threads())
 
 
 @cache

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from inference_engine.attention import AttentionMetadata
-from inference_engine.attention.torch_backend import NATIVE_QUERY_MIN, native_query_max
+from inference_engine.attention.torch_backend import NATIVE_QUERY_MIN, native_limit
 from inference_engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from inference_engine.layers.linear import (
     LinearBase,
@@ -173,8 +173,7 @@ class LlamaModel(nn.Module):
         if meta.max_query_len <= NATIVE_QUERY_MIN:
             return None
         attn = self.layers[0].self_attn
-        threads = torch.get_num_threads()
-        limit = native_query_max(attn.num_heads, attn.num_kv_heads, attn.head_dim, torch.bfloat16, threads)
+        limit = native_limit(meta, attn.num_heads, attn.num_kv_heads, attn.head_dim, torch.bfloat16)
         if meta.max_query_len > limit:
             return False
         return Extend(meta.query_start_loc, meta.seq_lens, meta.block_tables, NATIVE_QUERY_MIN + 1, limit)
