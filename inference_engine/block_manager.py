@@ -30,6 +30,7 @@ class BlockManager:
         # Unreferenced blocks in eviction order (front first); cached ones sit behind the blank ones.
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[BlockKey, int] = {}
+        self.num_cache_queries = 0  # prompt tokens looked up in the prefix cache, for stats
         self.num_cache_hits = 0  # tokens served from the prefix cache, for stats
         # Swap space: CPU blocks that hold the KV of preempted sequences until they resume.
         self.num_cpu_blocks = num_cpu_blocks
@@ -75,6 +76,7 @@ class BlockManager:
         """
         if not self.enable_prefix_caching or seq.block_table:
             return 0
+        self.num_cache_queries += len(seq.token_ids)
         parent = 0
         for start in range(0, len(seq.token_ids) - self.block_size, self.block_size):
             key = (parent, tuple(seq.token_ids[start : start + self.block_size]))

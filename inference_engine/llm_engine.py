@@ -486,6 +486,7 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
+            "prefix_cache_query_tokens": self.block_manager.num_cache_queries,
             "prefix_cache_hit_tokens": self.block_manager.num_cache_hits,
             **(self.proposer.stats() if self.proposer is not None else {}),
         }
