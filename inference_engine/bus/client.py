@@ -7,6 +7,11 @@ that some replica of the model is still alive and gives up with `EngineUnavailab
 when nothing arrives within the timeout. Leaving an iteration early, cancelling it, or calling `abort()`
 aborts the request in the engine. No torch here: the web tier imports this.
 
+Every client is the owner of the generations it submits: it keeps a liveness key on the bus (``SET`` with
+`owner_ttl` when it submits, refreshed every `owner_beat` seconds while it has requests in flight), and the
+engine aborts the running requests whose owner's key lapsed. So the requests of a web worker or Celery
+process that died (SIGKILL, out of memory) stop within seconds instead of generating to the end for nobody.
+
 Every operation is written once, in `_Core`, as a generator that yields the Redis commands of each round trip
 and receives their results; `EngineClient` runs them with redis-py's blocking client, `AsyncEngineClient`
 with its asyncio client. Both use a bounded connection pool that makes a request wait (up to
@@ -22,8 +27,10 @@ import contextlib
 import json
 import logging
 import os
+import threading
 import time
 import uuid
+import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Generator, Iterator
 from dataclasses import dataclass, field
@@ -67,6 +74,10 @@ class ClientSettings:
     id_ttl: int = 3600  # seconds a request id stays reserved
     max_connections: int = 32  # Redis connections of one client, shared by all its requests
     pool_timeout: float = 30.0  # longest wait for a free connection before a call fails as overloaded
+    # The client's liveness key (see the module docstring): refreshed every `owner_beat` seconds while it has
+    # requests in flight; the engine aborts them once it has been silent `owner_ttl` seconds.
+    owner_beat: float = 1.0
+    owner_ttl: float = 6.0
 
 
 @dataclass
@@ -113,16 +124,19 @@ def _cmd(name: str, *args: Any, **kwargs: Any) -> Command:
 
 
 # Admission in one atomic step, so concurrent submits never overshoot the backlog bound: refuse when the
-# counted streams' backlog has reached the limit, refuse a reused request id, else queue the entry.
-# KEYS: request-id key, target stream, counted streams...  ARGV: limit (-1: none), model, id ttl, entry.
+# counted streams' backlog has reached the limit, refuse a reused request id, else mark the owner alive and
+# queue the entry.
+# KEYS: request-id key, target stream, owner key, counted streams...
+# ARGV: limit (-1: none), model, id ttl, entry, owner ttl (ms).
 _ADMIT = f"""
 local limit = tonumber(ARGV[1])
 if limit >= 0 then
   local backlog = 0
-  for i = 3, #KEYS do backlog = backlog + redis.call('XLEN', KEYS[i]) end
+  for i = 4, #KEYS do backlog = backlog + redis.call('XLEN', KEYS[i]) end
   if backlog >= limit then return 'overloaded' end
 end
 if not redis.call('SET', KEYS[1], ARGV[2], 'NX', 'EX', ARGV[3]) then return 'duplicate' end
+redis.call('SET', KEYS[3], 1, 'PX', ARGV[5])
 redis.call('XADD', KEYS[2], '*', '{P.FIELD}', ARGV[4])
 return 'ok'
 """
@@ -136,6 +150,22 @@ class _Core:
         self.keys = P.Keys(settings.prefix)
         self._output_prefix = self.keys.output("")
         self._seen_live: dict[str, float] = {}  # model -> when a live replica of it was last seen
+        self.owner_id = uuid.uuid4().hex
+        self._owner_key = self.keys.owner(self.owner_id)
+
+    def _owner_beat(self) -> Command:
+        return _cmd("set", self._owner_key, 1, px=int(self.settings.owner_ttl * 1000))
+
+    def beat(self) -> Op[None]:
+        """Tell the engines this client is alive, so its requests keep running."""
+        yield [self._owner_beat()]
+
+    def adopt(self, request_id: str) -> Op[None]:
+        """Make this client the owner of a request another client submitted (see `attach`)."""
+        yield [
+            self._owner_beat(),
+            _cmd("set", self.keys.adopted(request_id), self.owner_id, ex=self.settings.id_ttl),
+        ]
 
     def live_replicas(self, model: str) -> Op[list[str]]:
         (members,) = yield [_cmd("smembers", self.keys.replicas(model))]
@@ -171,9 +201,12 @@ class _Core:
             stream, counted, limit = self.keys.utility(model), (), -1
         if not (yield from self.served(model)):
             raise ModelNotFoundError(f"model {model!r} is not served by any live engine.")
-        keys = (self.keys.request_id(message.id), stream, *counted)
+        keys = (self.keys.request_id(message.id), stream, self._owner_key, *counted)
         entry = P.encode(message)[P.FIELD]
-        (verdict,) = yield [_cmd("eval", _ADMIT, len(keys), *keys, limit, model, self.settings.id_ttl, entry)]
+        owner_ttl = int(self.settings.owner_ttl * 1000)
+        (verdict,) = yield [
+            _cmd("eval", _ADMIT, len(keys), *keys, limit, model, self.settings.id_ttl, entry, owner_ttl)
+        ]
         if verdict == "overloaded":
             raise EngineOverloadedError(f"model {model!r} has {limit} requests queued; retry later.")
         if verdict == "duplicate":
@@ -192,16 +225,22 @@ class _Core:
         ]
 
     def read(
-        self, positions: dict[str, str], block_ms: int | None, wake: tuple[str, str] | None = None
+        self,
+        positions: dict[str, str],
+        block_ms: int | None,
+        wake: tuple[str, str] | None = None,
+        beat: bool = False,
     ) -> Op[tuple[dict[str, list[tuple[str, P.Message]]], str | None]]:
         """New output entries of the requests in `positions` (request id -> last entry id seen). With `wake`
         (a stream, the last id seen there) a blocking read also ends when that stream gets an entry (see
-        `wake`); the second item is then the newest id there."""
+        `wake`); the second item is then the newest id there. With `beat`, the same round trip refreshes the
+        client's liveness key."""
         streams = {self.keys.output(rid): last for rid, last in positions.items()}
         woken = None
         if wake is not None:
             streams[wake[0]] = woken = wake[1]
-        (reply,) = yield [_cmd("xread", streams, count=256, block=block_ms)]
+        read = _cmd("xread", streams, count=256, block=block_ms)
+        reply = (yield [self._owner_beat(), read] if beat else [read])[-1]
         found: dict[str, list[tuple[str, P.Message]]] = {}
         for key, entries in reply.items() if isinstance(reply, dict) else reply or ():
             if wake is not None and key == wake[0]:
@@ -288,6 +327,7 @@ def _generate_message(
     request_id: str | None,
     priority: int,
     tools: list[dict] | None = None,
+    owner: str | None = None,
 ) -> P.Generate:
     if params is None:
         params = SamplingParams()
@@ -299,6 +339,7 @@ def _generate_message(
         priority=int(priority),
         arrival_time=time.time(),
         tools=tools,
+        owner=owner,
         **_prompt_fields(prompt, messages),
     )
 
@@ -501,10 +542,33 @@ class EngineClient:
         url = redis_url or os.environ.get(REDIS_URL_ENV, DEFAULT_REDIS_URL)
         pool = redis.BlockingConnectionPool.from_url(url, **_pool_kwargs(self.settings, Retry))
         self.redis = redis.Redis(connection_pool=pool)
+        # The streams still running, for the thread that keeps the owner key alive while there are any: a
+        # thread, since a caller may hold a stream unread for a while (a Celery task storing results).
+        self._streams: weakref.WeakSet[GenerationStream] = weakref.WeakSet()
+        self._closed = threading.Event()
+        self._beater: threading.Thread | None = None
+        self._beater_lock = threading.Lock()
 
     def close(self) -> None:
+        self._closed.set()
         self.redis.close()
         self.redis.connection_pool.disconnect()
+
+    def _owned(self, stream: GenerationStream) -> None:
+        self._streams.add(stream)
+        with self._beater_lock:
+            if self._beater is None or not self._beater.is_alive():
+                self._beater = threading.Thread(target=self._beat, name="llmserve-owner", daemon=True)
+                self._beater.start()
+
+    def _beat(self) -> None:
+        while not self._closed.wait(self.settings.owner_beat):
+            if not any(not stream.finished for stream in list(self._streams)):
+                continue
+            try:
+                self._run(self._core.beat())
+            except EngineError as exc:  # Redis is gone: the streams' own reads report it
+                log.debug("owner beat failed: %s", exc)
 
     def _run(self, op: Op[T]) -> T:
         """Runs one operation of the core: each round trip as one command or one pipeline."""
@@ -542,9 +606,12 @@ class EngineClient:
         `tools` (OpenAI's function tools) where given. `priority`: lower runs earlier (interactive 0, bulk
         jobs e.g. 10).
         """
-        message = _generate_message(prompt, params, messages, request_id, priority, tools)
+        message = _generate_message(
+            prompt, params, messages, request_id, priority, tools, self._core.owner_id
+        )
         self._run(self._core.submit(model, message))
         stream = GenerationStream(self, model, message.id)
+        self._owned(stream)
         stream._wait_ack()
         return stream
 
@@ -639,6 +706,7 @@ class _OutputReader:
         self._reading = False  # a read is in progress (a new subscription is not part of it)
         self._wake_stream, self._woken = client._core.keys.wake(uuid.uuid4().hex), "0-0"
         self._wakers: set[asyncio.Task[None]] = set()
+        self._beaten = -float("inf")  # when the owner key was last refreshed (monotonic)
 
     def subscribe(self, request_id: str) -> asyncio.Queue:
         subscription = self._subscriptions[request_id] = _Subscription()
@@ -661,9 +729,15 @@ class _OutputReader:
         while self._subscriptions:
             current, self._reading = dict(self._subscriptions), True
             positions = {rid: s.last_id for rid, s in current.items()}
+            now = time.monotonic()
+            beat = now - self._beaten >= self.client.settings.owner_beat
             try:
-                read = self.client._core.read(positions, self.BLOCK_MS, (self._wake_stream, self._woken))
+                read = self.client._core.read(
+                    positions, self.BLOCK_MS, (self._wake_stream, self._woken), beat=beat
+                )
                 found, self._woken = await self.client._run(read)
+                if beat:
+                    self._beaten = now
             except EngineError as exc:  # Redis is gone: every waiting request fails cleanly
                 for rid, subscription in current.items():
                     subscription.queue.put_nowait(exc)
@@ -836,7 +910,9 @@ class AsyncEngineClient:
         priority: int = 0,
     ) -> AsyncGenerationStream:
         """See `EngineClient.generate`."""
-        message = _generate_message(prompt, params, messages, request_id, priority, tools)
+        message = _generate_message(
+            prompt, params, messages, request_id, priority, tools, self._core.owner_id
+        )
         try:
             await self._run(self._core.submit(model, message))
         except asyncio.CancelledError:  # the request may have reached Redis before the cancellation did
@@ -849,8 +925,10 @@ class AsyncEngineClient:
     async def attach(self, model: str, request_id: str) -> AsyncGenerationStream:
         """The stream of a request submitted earlier, by this client or another (a bulk task that took over
         another's items), read from its first entry; leaving it early aborts the request as for `generate`.
-        Raises `RequestAbortedError` if the request was aborted."""
+        This client becomes the request's owner (its first one may be dead). Raises `RequestAbortedError` if
+        the request was aborted."""
         await self._run(self._core.check_attachable(request_id))
+        await self._run(self._core.adopt(request_id))
         return AsyncGenerationStream(self, model, request_id)
 
     async def tokenize(

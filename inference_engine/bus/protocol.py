@@ -31,6 +31,12 @@ Keys (``{p}`` is the namespace prefix, ``llmserve`` by default)
                             the next one includes the new request's output stream.
 ``{p}:rid:{request_id}``    ``SET NX`` by the client when it submits: a request id is accepted once
                             (``id_ttl``), so duplicates never run twice.
+``{p}:owner:{owner}``      Liveness of one client (a web worker's event loop, a Celery runner): ``SET`` with
+                            a TTL when it submits and again every second while it has requests in flight. A
+                            replica aborts the running requests whose owner's key is gone (the process died,
+                            or its loop stalled past the TTL), unless ``adopted`` names a live owner.
+``{p}:adopted:{request_id}`` The owner now reading a request submitted by another (a bulk runner that took
+                            the request over, `attach`).
 ``{p}:abort:{request_id}``  Abort marker (``SET`` with TTL) checked by the engine when it picks a request up.
 ``{p}:aborts:{model}``      Abort stream of one model (capped). Every replica XREADs it once per scheduler
                             step and aborts the ids it serves, freeing their KV blocks within one step.
@@ -50,7 +56,8 @@ them (`encode`, `parse`).
 
 Request (client -> ``req`` stream, or ``reqlow`` for ``generate`` with ``priority > 0``):
   ``{"type": "generate", "id", "prompt" | "prompt_token_ids" | "messages", "tools"?, "params":
-  SamplingParams.to_dict(), "priority": int (lower = earlier, vLLM's convention), "arrival_time": float}``
+  SamplingParams.to_dict(), "priority": int (lower = earlier, vLLM's convention), "arrival_time": float,
+  "owner"?: str}``
   (``tools``: OpenAI's function tools, rendered into the chat template with ``messages``)
   ``{"type": "tokenize", "id", "prompt" | "messages", "add_special_tokens"?, "return_token_strs"?}`` /
   ``{"type": "detokenize", "id", "token_ids"}`` / ``{"type": "tokenizer_info", "id"}``
@@ -139,6 +146,12 @@ class Keys:
     def abort(self, request_id: str) -> str:
         return f"{self.prefix}:abort:{request_id}"
 
+    def owner(self, owner_id: str) -> str:
+        return f"{self.prefix}:owner:{owner_id}"
+
+    def adopted(self, request_id: str) -> str:
+        return f"{self.prefix}:adopted:{request_id}"
+
     def aborts(self, model: str) -> str:
         return f"{self.prefix}:aborts:{model}"
 
@@ -199,6 +212,7 @@ class Generate(Message):
     tools: list[dict] | None = None  # OpenAI's function tools, for the chat template
     priority: int = 0  # lower runs earlier (vLLM's convention)
     arrival_time: float | None = None
+    owner: str | None = None  # the client whose liveness key keeps the request running (None: nobody's)
 
 
 @dataclass

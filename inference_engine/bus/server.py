@@ -15,6 +15,10 @@ also admitted a few per iteration (an eighth of `max_inflight`), and none in an 
 interactive one: bulk prefills are spread over steps instead of arriving in waves (a step that prefills a
 whole batch of bulk prompts is many decode steps long, and an interactive request arriving meanwhile waits it
 out), and the step that prefills an interactive request carries no new bulk prompt.
+
+Orphans: every `heartbeat_interval` the loop also looks up the liveness keys of the clients that own its
+running requests (see `protocol`) and aborts the requests of those whose key lapsed, freeing their KV blocks:
+a web worker killed mid-stream leaves nobody to send the abort.
 """
 
 from __future__ import annotations
@@ -75,6 +79,7 @@ class _Live:
     entry_id: str
     tracker: DeltaTracker
     n: int
+    owner: str | None = None  # the client whose liveness keeps this request running
 
 
 class EngineServer:
@@ -219,6 +224,7 @@ class EngineServer:
             self._update_stats()
             for consumer in self._dead_consumers():
                 self._recover(consumer)
+            self._abort_orphans()
             self._flush()
 
     def _poll(self, block: bool) -> tuple[list[str], list[tuple[str, str, P.Message]], dict[str, bool]]:
@@ -374,7 +380,7 @@ class EngineServer:
             self._writes.append((rid, P.Error.of(exc)))
             self._done.append((stream, entry_id))
             return
-        self._live[rid] = _Live(stream, entry_id, DeltaTracker(len(prompt_ids)), params.n)
+        self._live[rid] = _Live(stream, entry_id, DeltaTracker(len(prompt_ids)), params.n, message.owner)
         ack = P.Ack(len(prompt_ids), self.replica_id)
         if message.tools:
             ack.tool_parser = self.engine.config.tool_call_parser
@@ -521,6 +527,30 @@ class EngineServer:
             "tokens_per_s": (tokens - before) / (now - then) if now > then else 0.0,
             "stats": stats,
         }
+
+    def _abort_orphans(self) -> None:
+        """Abort the running requests whose owner's liveness key lapsed, unless a live client adopted them."""
+        owners = sorted({live.owner for live in self._live.values() if live.owner is not None})
+        if not owners:
+            return
+        beats = self.redis.mget([self.keys.owner(owner) for owner in owners])
+        lapsed = {owner for owner, beat in zip(owners, beats, strict=True) if beat is None}
+        orphans = [rid for rid, live in self._live.items() if live.owner in lapsed]
+        if not orphans:
+            return
+        adopters = self.redis.mget([self.keys.adopted(rid) for rid in orphans])
+        candidates = sorted({a for a in adopters if a is not None and a not in lapsed})
+        alive = self.redis.mget([self.keys.owner(a) for a in candidates]) if candidates else []
+        adoptive = {a for a, beat in zip(candidates, alive, strict=True) if beat is not None}
+        aborted = []
+        for rid, adopter in zip(orphans, adopters, strict=True):
+            if adopter in adoptive:
+                self._live[rid].owner = adopter
+            else:
+                aborted.append(rid)
+                self._abort(rid)
+        if aborted:
+            log.warning("aborted %d request(s) whose client is gone: %s", len(aborted), ", ".join(aborted))
 
     def _dead_consumers(self) -> set[str]:
         consumers = set()
