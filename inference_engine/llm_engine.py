@@ -121,6 +121,11 @@ class LLMEngine:
             text, token_ids = None, [int(t) for t in prompt]
             if any(not 0 <= t < self.tokenizer.vocab_size for t in token_ids):
                 raise InvalidRequestError("prompt token ids must be in [0, vocab_size).")
+        if params.truncate_prompt_tokens is not None:  # vLLM's: keep the prompt's last tokens
+            keep = params.truncate_prompt_tokens
+            if keep == -1:  # as many as fit beside the answer
+                keep = self.max_model_len - min(params.max_tokens or 1, self.max_model_len - 1)
+            text, token_ids = None, token_ids[-keep:]
         params = self._check_lengths(token_ids, params)
         spec = params.structured_outputs
         grammar = self.structured.compile(spec) if spec is not None else None

@@ -112,6 +112,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens; -1: all that fit
 
     def __post_init__(self) -> None:
         # Lists rather than None downstream keep the hot paths free of None checks.
@@ -171,6 +172,14 @@ class SamplingParams:
             for token, bias in self.logit_bias.items():
                 if not -100.0 <= bias <= 100.0:
                     raise bad(f"logit_bias for token {token} must be in [-100, 100], got {bias}.")
+        if self.truncate_prompt_tokens is not None and not (
+            isinstance(self.truncate_prompt_tokens, int)
+            and (self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1)
+        ):
+            raise InvalidRequestError(
+                f"truncate_prompt_tokens must be at least 1, or -1, got {self.truncate_prompt_tokens!r}.",
+                param="truncate_prompt_tokens",
+            )
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad(f"seed must be an integer, got {self.seed!r}.")
         if not isinstance(self.structured_outputs, StructuredOutputsParams | None):

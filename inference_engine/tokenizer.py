@@ -62,12 +62,23 @@ class Tokenizer:
         return self.backend.id_to_token(token_id)
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
     ) -> str:
         """The prompt of a conversation; `tools`: OpenAI's function tools (``{"type": "function",
-        "function": {"name", "description", "parameters"}}``)."""
+        "function": {"name", "description", "parameters"}}``).
+
+        As vLLM: `continue_final_message` ends the prompt with the last message's text, leaving its turn
+        open for the model to continue (with no generation prompt); `chat_template_kwargs` are more
+        variables for the template (``enable_thinking``, ...), never in place of the ones set here."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; send a plain prompt instead.")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt to be false.")
         env = _jinja_env()
         template = env.from_string(self.chat_template)
         messages = [_with_argument_objects(m) for m in messages]
@@ -75,13 +86,21 @@ class Tokenizer:
             messages, tools = _tools_in_messages(messages, tools), None
         bos = self.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
         eos = self.id_to_token(self.eos_token_id) or ""
-        return template.render(
-            messages=messages,
-            tools=tools,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=bos,
-            eos_token=eos,
-        )
+        variables = {
+            "messages": messages,
+            "tools": tools,
+            "add_generation_prompt": add_generation_prompt,
+            "bos_token": bos,
+            "eos_token": eos,
+        }
+        prompt = template.render({**(chat_template_kwargs or {}), **variables})
+        if continue_final_message:
+            final = (messages[-1].get("content") or "").strip() if messages else ""
+            end = prompt.rfind(final) if final else -1
+            if end == -1:
+                raise ValueError("the template does not write the final message's text as it is.")
+            prompt = prompt[: end + len(final)]
+        return prompt
 
     @functools.cached_property
     def template_reads_tools(self) -> bool:

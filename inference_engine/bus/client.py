@@ -599,16 +599,19 @@ class EngineClient:
         tools: list[dict] | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        chat_options: dict | None = None,
     ) -> GenerationStream:
         """Submit a generation and wait for the engine's acknowledgement: typed errors come before any delta.
 
         `prompt` is text or token ids; `messages` (chat) is rendered with the engine's chat template, with
-        `tools` (OpenAI's function tools) where given. `priority`: lower runs earlier (interactive 0, bulk
-        jobs e.g. 10).
+        `tools` (OpenAI's function tools) where given, and `chat_options` (`Tokenizer.apply_chat_template`'s
+        add_generation_prompt, continue_final_message, chat_template_kwargs). `priority`: lower runs earlier
+        (interactive 0, bulk jobs e.g. 10).
         """
         message = _generate_message(
             prompt, params, messages, request_id, priority, tools, self._core.owner_id
         )
+        message.chat_options = chat_options
         self._run(self._core.submit(model, message))
         stream = GenerationStream(self, model, message.id)
         self._owned(stream)
@@ -908,11 +911,13 @@ class AsyncEngineClient:
         tools: list[dict] | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        chat_options: dict | None = None,
     ) -> AsyncGenerationStream:
         """See `EngineClient.generate`."""
         message = _generate_message(
             prompt, params, messages, request_id, priority, tools, self._core.owner_id
         )
+        message.chat_options = chat_options
         try:
             await self._run(self._core.submit(model, message))
         except asyncio.CancelledError:  # the request may have reached Redis before the cancellation did

@@ -58,7 +58,8 @@ Request (client -> ``req`` stream, or ``reqlow`` for ``generate`` with ``priorit
   ``{"type": "generate", "id", "prompt" | "prompt_token_ids" | "messages", "tools"?, "params":
   SamplingParams.to_dict(), "priority": int (lower = earlier, vLLM's convention), "arrival_time": float,
   "owner"?: str}``
-  (``tools``: OpenAI's function tools, rendered into the chat template with ``messages``)
+  (``tools``: OpenAI's function tools, rendered into the chat template with ``messages``; ``chat_options``?:
+  how the template renders them, `Tokenizer.apply_chat_template`'s keyword arguments)
   ``{"type": "tokenize", "id", "prompt" | "messages", "add_special_tokens"?, "return_token_strs"?}`` /
   ``{"type": "detokenize", "id", "token_ids"}`` / ``{"type": "tokenizer_info", "id"}``
 
@@ -210,6 +211,9 @@ class Generate(Message):
     prompt_token_ids: list[int] | None = None
     messages: list[dict] | None = None
     tools: list[dict] | None = None  # OpenAI's function tools, for the chat template
+    # How the template renders `messages`: `Tokenizer.apply_chat_template`'s add_generation_prompt,
+    # continue_final_message and chat_template_kwargs (vLLM's request fields of those names).
+    chat_options: dict[str, Any] | None = None
     priority: int = 0  # lower runs earlier (vLLM's convention)
     arrival_time: float | None = None
     owner: str | None = None  # the client whose liveness key keeps the request running (None: nobody's)

@@ -405,7 +405,8 @@ class EngineServer:
             try:
                 template = self.engine.tokenizer.apply_chat_template
                 tools = getattr(message, "tools", None)
-                return template(message.messages, add_generation_prompt=True, tools=tools)
+                options = getattr(message, "chat_options", None) or {}
+                return template(message.messages, tools=tools, **options)
             except Exception as exc:
                 raise InvalidRequestError(f"cannot apply the chat template: {exc}") from exc
         if message.prompt_token_ids is not None:
