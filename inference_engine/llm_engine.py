@@ -430,9 +430,21 @@ class LLMEngine:
             if not seq.grammar.accept(result.token_id):
                 # Only a matcher that ran out of its resource limits gets here (masks allow nothing else).
                 logger.warning("request %s left its grammar: %s", seq.group.request_id, seq.grammar.error)
-                reason = "abort"
+                reason = "length"  # cut short of what its grammar describes, as a length limit cuts it
             elif seq.grammar.is_terminated:
                 reason = "stop"
+        elif (
+            seq.grammar is not None
+            and reason == "stop"
+            and stop_reason is None
+            and not seq.grammar.is_accepting
+        ):
+            # End of sequence before the grammar is complete (a failed matcher allows nothing else): the
+            # output is cut short, never a finished match.
+            logger.warning(
+                "request %s ended outside its grammar: %s", seq.group.request_id, seq.grammar.error
+            )
+            reason = "length"
         if reason is None and (
             (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens)
             or len(seq) >= self.max_model_len

@@ -20,9 +20,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import llguidance
 import torch
 
-from inference_engine.errors import InvalidRequestError
 from inference_engine.sampling_params import StructuredOutputsParams
-from inference_engine.structured_outputs.grammars import check
+from inference_engine.structured_outputs.grammars import check, refusal, short_error
 from inference_engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -48,6 +47,11 @@ class GrammarMatcher:
     def is_terminated(self) -> bool:
         """The grammar is complete and allows nothing more (not even to continue a number)."""
         return self.matcher.is_stopped()
+
+    @property
+    def is_accepting(self) -> bool:
+        """What was generated so far is a complete match (ending here satisfies the grammar)."""
+        return self.matcher.is_accepting()
 
     @property
     def error(self) -> str:
@@ -94,13 +98,15 @@ class StructuredOutputs:
         started = time.perf_counter()
         grammar = check(spec)
         matcher = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0)
-        if matcher.is_error():
-            raise InvalidRequestError(
-                f"invalid {spec.kind}: {matcher.get_error()}", param=f"structured_outputs.{spec.kind}"
-            )
-        # The first mask builds the lexer states every copy then shares; build them here, not mid-step.
-        scratch = torch.empty(self.words, dtype=torch.int32)
-        matcher.deep_copy().unsafe_compute_mask_ptr(scratch.data_ptr(), self.words * 4)
+        # The first mask builds the lexer states every copy then shares; build them here, not mid-step. It
+        # also shows a grammar that allows no output at all (the matcher then fails at once).
+        first = matcher.deep_copy()
+        if not matcher.is_error():
+            scratch = torch.empty(self.words, dtype=torch.int32)
+            first.unsafe_compute_mask_ptr(scratch.data_ptr(), self.words * 4)
+        for failed in (matcher, first):
+            if failed.is_error():
+                raise refusal(spec, f"no output can satisfy it ({short_error(failed.get_error())}).")
         logger.debug("compiled a %s grammar in %.1f ms", spec.kind, 1e3 * (time.perf_counter() - started))
         return matcher
 

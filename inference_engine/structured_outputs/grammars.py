@@ -2,17 +2,134 @@
 
 Torch-free and tokenizer-free, so that the web tier refuses a bad schema, regex or grammar (400, `param`
 naming the field) before anything is queued; the engine checks again when the request arrives.
+
+Budgets come first, before llguidance sees the constraint: its compile time grows with the constraint's size
+(a list of 100,000 choices takes seconds to validate and more to compile), so sizes above what any real
+schema needs are refused outright (the limits are OpenAI's for its structured outputs: 1,000 alternatives,
+120,000 characters). A schema whose ``$ref``s only lead to each other (``{"$ref": "#"}``) describes no value
+at all and is refused too. llguidance's own errors reach the client cut to their first line: their parser
+state dumps and Rust panics are for the log.
 """
 
 from __future__ import annotations
 
 import copy
+import json
+import logging
 from typing import Any
 
 import llguidance
 
 from inference_engine.errors import InvalidRequestError
 from inference_engine.sampling_params import StructuredOutputsParams
+
+log = logging.getLogger(__name__)
+
+MAX_CONSTRAINT_CHARS = 120_000  # the constraint as JSON: schema, regex, grammar or choices together
+MAX_ALTERNATIVES = 1_000  # choices, or enum values and anyOf / oneOf branches of a schema together
+MAX_ERROR_CHARS = 300
+
+
+def refusal(spec: StructuredOutputsParams, message: str) -> InvalidRequestError:
+    what = "JSON schema" if spec.kind == "json" else spec.kind
+    return InvalidRequestError(f"invalid {what}: {message}", param=f"structured_outputs.{spec.kind}")
+
+
+def short_error(error: str) -> str:
+    """A library error fit for a client: without its parser-state dump, on one line, bounded; a panic's
+    text (a Rust source location and backtrace) is replaced."""
+    if "panicked" in error or "backtrace" in error.lower():
+        log.warning("llguidance panicked: %s", error)
+        return "the grammar library could not process it."
+    text = " ".join(error.split("<state>", 1)[0].split())
+    return (text or "rejected")[:MAX_ERROR_CHARS]
+
+
+def check_budget(spec: StructuredOutputsParams) -> None:
+    """Refuses constraints too large to compile within a request's time, and schemas made only of ``$ref``
+    cycles (see the module docstring)."""
+    try:
+        _check_budget(spec)
+    except RecursionError:
+        raise refusal(spec, "nested too deeply.") from None
+
+
+def _check_budget(spec: StructuredOutputsParams) -> None:
+    alternatives = len(spec.choice) if spec.kind == "choice" else _alternatives(spec.json)
+    if alternatives > MAX_ALTERNATIVES:
+        raise refusal(
+            spec,
+            f"{alternatives} alternatives (choices, enum values, anyOf / oneOf branches); "
+            f"the limit is {MAX_ALTERNATIVES}.",
+        )
+    value = spec.json if spec.kind == "json" else getattr(spec, spec.kind, None)
+    size = len(json.dumps(value)) if value is not None else 0
+    if size > MAX_CONSTRAINT_CHARS:
+        raise refusal(spec, f"{size} characters; the limit is {MAX_CONSTRAINT_CHARS}.")
+    if spec.kind == "json" and isinstance(spec.json, dict):
+        cycle = _ref_cycle(spec.json)
+        if cycle is not None:
+            raise refusal(spec, f"`$ref` {cycle!r} only leads back to itself: no value can match it.")
+
+
+def _alternatives(schema: Any) -> int:
+    if isinstance(schema, list):
+        return sum(_alternatives(item) for item in schema)
+    if not isinstance(schema, dict):
+        return 0
+    count = 0
+    for key, value in schema.items():
+        if key in ("enum", "anyOf", "oneOf") and isinstance(value, list):
+            count += len(value)
+        if key not in ("enum", "const", "default", "examples"):
+            count += _alternatives(value)
+    return count
+
+
+def _ref_cycle(root: dict[str, Any]) -> str | None:
+    """A local ``$ref`` that leads only through other ``$ref``s back to where it started, if any."""
+
+    def target(ref: str) -> Any:
+        if ref == "#":
+            return root
+        if not ref.startswith("#/"):
+            return None
+        node: Any = root
+        for part in ref[2:].split("/"):
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                return None
+        return node
+
+    def refs(schema: Any):
+        if isinstance(schema, dict):
+            if isinstance(schema.get("$ref"), str):
+                yield schema
+            for key, value in schema.items():
+                if key not in ("enum", "const", "default", "examples"):
+                    yield from refs(value)
+        elif isinstance(schema, list):
+            for item in schema:
+                yield from refs(item)
+
+    for start in refs(root):
+        seen: list[int] = []
+        node: Any = start
+        # Follow while the node is nothing but a reference (other keys would describe a value of their own).
+        while (
+            isinstance(node, dict)
+            and isinstance(node.get("$ref"), str)
+            and set(node) <= {"$ref", "$defs", "definitions", "$schema", "$id", "title", "description"}
+        ):
+            if id(node) in seen:
+                return start["$ref"]
+            seen.append(id(node))
+            node = target(node["$ref"])
+    return None
 
 
 def grammar_text(spec: StructuredOutputsParams) -> str:
@@ -47,13 +164,21 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
 
 
 def check(spec: StructuredOutputsParams) -> str:
-    """The grammar text of `spec` once llguidance accepts it; `InvalidRequestError` (its message, `param`
-    the constraint's field) where it does not."""
-    grammar = grammar_text(spec)
-    error = llguidance.LLMatcher.validate_grammar(grammar)
+    """The grammar text of `spec` once it is within budget and llguidance accepts it; `InvalidRequestError`
+    (the first line of llguidance's message, `param` the constraint's field) where it is not."""
+    check_budget(spec)
+    try:
+        grammar = grammar_text(spec)
+        error = llguidance.LLMatcher.validate_grammar(grammar)
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(short_error(str(exc)), param=exc.param) from None
+    except BaseException as exc:  # a library bug, or a Rust panic (pyo3's PanicException is no Exception)
+        if isinstance(exc, KeyboardInterrupt | SystemExit | GeneratorExit):
+            raise
+        log.warning("llguidance failed on a %s constraint: %r", spec.kind, exc)
+        raise refusal(spec, "the grammar library could not process it.") from None
     if error:
-        what = "JSON schema" if spec.kind == "json" else spec.kind
-        raise InvalidRequestError(f"invalid {what}: {error.strip()}", param=f"structured_outputs.{spec.kind}")
+        raise refusal(spec, short_error(error))
     return grammar
 
 
