@@ -77,7 +77,7 @@ class ClientSettings:
     # The client's liveness key (see the module docstring): refreshed every `owner_beat` seconds while it has
     # requests in flight; the engine aborts them once it has been silent `owner_ttl` seconds.
     owner_beat: float = 1.0
-    owner_ttl: float = 6.0
+    owner_ttl: float = 5.0
 
 
 @dataclass
