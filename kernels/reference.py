@@ -15,14 +15,29 @@ def _gather(cache: torch.Tensor, block_table_row: torch.Tensor, length: int) -> 
 
 
 def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_pos: torch.Tensor
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    q_pos: torch.Tensor,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Softmax attention of ``q [n, H, D]`` (at positions ``q_pos``) over ``k, v [L, Hkv, D]``, causal."""
+    """Softmax attention of ``q [n, H, D]`` (at positions ``q_pos``) over ``k, v [L, Hkv, D]``, causal.
+
+    ``window`` > 0: a query at position p sees keys p - window + 1 to p (Mistral's and Gemma's sliding
+    window, as transformers masks it). ``softcap`` > 0: scores become ``softcap * tanh(score / softcap)``
+    after scaling, before the mask and softmax (Gemma 2)."""
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)  # query head h reads kv head h // group
     v = v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
-    visible = torch.arange(k.shape[0], device=q.device)[None, :] <= q_pos[:, None]
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    key_pos = torch.arange(k.shape[0], device=q.device)[None, :]
+    visible = key_pos <= q_pos[:, None]
+    if window > 0:
+        visible &= key_pos > q_pos[:, None] - window
     scores = scores.masked_fill(~visible, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
 
@@ -51,14 +66,18 @@ def paged_decode_attention_ref(
     seq_lens: torch.Tensor,
     scale: float,
     num_splits: int | None = None,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Reference for :func:`kernels.paged_decode_attention`; ``num_splits`` is accepted and ignored."""
+    """Reference for :func:`kernels.paged_decode_attention`; ``num_splits`` is accepted and ignored.
+    ``window`` and ``softcap`` as `_attend` takes them (0: none)."""
     out = torch.empty_like(q)
     for b, length in enumerate(seq_lens.tolist()):
         k = _gather(k_cache, block_tables[b], length)
         v = _gather(v_cache, block_tables[b], length)
         q_pos = torch.tensor([length - 1], device=q.device)
-        out[b] = _attend(q[b : b + 1], k, v, scale, q_pos)[0].to(q.dtype)
+        out[b] = _attend(q[b : b + 1], k, v, scale, q_pos, window, softcap)[0].to(q.dtype)
     return out
 
 
@@ -71,8 +90,12 @@ def paged_extend_attention_ref(
     seq_lens: torch.Tensor,
     scale: float,
     max_query_len: int,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Reference for :func:`kernels.paged_extend_attention`; ``max_query_len`` is accepted and ignored."""
+    """Reference for :func:`kernels.paged_extend_attention`; ``max_query_len`` is accepted and ignored.
+    ``window`` and ``softcap`` as `_attend` takes them (0: none)."""
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()
     for b, length in enumerate(seq_lens.tolist()):
@@ -82,7 +105,7 @@ def paged_extend_attention_ref(
         k = _gather(k_cache, block_tables[b], length)
         v = _gather(v_cache, block_tables[b], length)
         q_pos = torch.arange(length - (hi - lo), length, device=q.device)
-        out[lo:hi] = _attend(q[lo:hi], k, v, scale, q_pos).to(q.dtype)
+        out[lo:hi] = _attend(q[lo:hi], k, v, scale, q_pos, window, softcap).to(q.dtype)
     return out
 
 

@@ -9,6 +9,11 @@ from kernels.cpu._build import f32, function, i32, i64, ptr
 _DTYPES = {torch.bfloat16: 1, torch.float32: 0}
 
 
+def _check_options(window: int, softcap: float) -> None:
+    if window < 0 or softcap < 0:
+        raise ValueError(f"window and softcap must not be negative, got {window} and {softcap}")
+
+
 def _reads_in_place(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """What both attention kernels read: CPU tensors, caches in q's dtype and contiguous, and each query
     head's row contiguous (a token's rows may be strided, as views of the fused qkv output are)."""
@@ -29,11 +34,17 @@ def paged_decode(
     block_tables: torch.Tensor,  # [batch, max_blocks] int32
     seq_lens: torch.Tensor,  # [batch] int32
     scale: float,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor | None:
-    """Attention of one new token per sequence over its paged K/V, or None where this kernel can't run."""
-    fn = function("paged_decode", i32, ptr, i64, ptr, ptr, ptr, i32, ptr, ptr, *[i32] * 6, f32, i32)
+    """Attention of one new token per sequence over its paged K/V, or None where this kernel can't run.
+    `window` > 0: each query sees only its sequence's last `window` keys, and blocks wholly before them are
+    not read; `softcap` > 0: scores become softcap * tanh(score / softcap) after scaling (0: neither)."""
+    fn = function("paged_decode", i32, ptr, i64, ptr, ptr, ptr, i32, ptr, ptr, *[i32] * 6, f32, i32, f32, i32)
     if fn is None or q.dtype not in _DTYPES or not _reads_in_place(q, k_cache, v_cache):
         return None
+    _check_options(window, softcap)
     block_tables = block_tables.to(torch.int32).contiguous()
     seq_lens = seq_lens.to(torch.int32).contiguous()
     batch, heads, head_dim = q.shape
@@ -54,6 +65,8 @@ def paged_decode(
         k_cache.shape[1],
         _DTYPES[q.dtype],
         scale,
+        window,
+        softcap,
         torch.get_num_threads(),
     )
     return out if status == 0 else None
@@ -112,11 +125,18 @@ def paged_extend(
     scale: float,
     out: torch.Tensor,  # [tokens, heads, head_dim]
     query_lens: tuple[int, int] = (1, 2**31 - 1),
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> bool:
     """Causal attention of the new tokens of every sequence that brings `query_lens` (inclusive bounds) of
     them, over its paged K/V, into their rows of `out`; False where this kernel can't run (then nothing is
-    written)."""
-    fn = function("paged_extend", i32, ptr, i64, ptr, ptr, ptr, i32, ptr, ptr, ptr, *[i32] * 7, f32, i32)
+    written). `window` > 0: a query at position p sees keys p - window + 1 to p, and blocks before every
+    query's window are not read; `softcap` > 0: scores become softcap * tanh(score / softcap) after
+    scaling (0: neither)."""
+    fn = function(
+        "paged_extend", i32, ptr, i64, ptr, ptr, ptr, i32, ptr, ptr, ptr, *[i32] * 7, f32, i32, f32, i32
+    )
     if (
         fn is None
         or q.dtype != torch.bfloat16
@@ -126,6 +146,7 @@ def paged_extend(
         or not out.is_contiguous()
     ):
         return False
+    _check_options(window, softcap)
     block_tables = block_tables.to(torch.int32).contiguous()
     query_start_loc = query_start_loc.to(torch.int32).contiguous()
     seq_lens = seq_lens.to(torch.int32).contiguous()
@@ -147,6 +168,8 @@ def paged_extend(
         k_cache.shape[1],
         *query_lens,
         scale,
+        window,
+        softcap,
         torch.get_num_threads(),
     )
     if status == -2:

@@ -6,6 +6,7 @@ import os
 
 import torch
 import triton
+import triton.language as tl
 
 # Triton's interpreter computes bf16/fp16 ``tl.dot`` wrongly, so kernels upcast dot operands to fp32 there.
 # Read once at import: the interpreter itself is chosen when triton is imported, so it cannot change later.
@@ -40,3 +41,10 @@ def require_last_dim_contiguous(*tensors: torch.Tensor) -> None:
     for t in tensors:
         if t.stride(-1) != 1:
             raise ValueError(f"last dimension must be contiguous, got strides {tuple(t.stride())}")
+
+
+@triton.jit
+def tanh(x):
+    """tanh as 1 - 2 / (e^2x + 1), which the interpreter and every GPU compute alike (exp overflowing to inf
+    gives 1, underflowing to 0 gives -1): attention soft-capping's."""
+    return 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)

@@ -143,6 +143,11 @@ def _attention(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, max
         starts = torch.arange(batch + 1, dtype=torch.int32)
         for max_query_len in max_query_lens:  # one tile size each
             paged_extend_attention(q, k_cache, k_cache, tables, starts, lens, 0.1, max_query_len)
+        # Sliding window and soft-capping (Mistral, Gemma): the largest tile, where registers are tightest.
+        paged_decode_attention(q, k_cache, k_cache, tables, lens, 0.1, 4, window=8, softcap=30.0)
+        paged_extend_attention(
+            q, k_cache, k_cache, tables, starts, lens, 0.1, max(max_query_lens), window=8, softcap=30.0
+        )
 
     return launch
 

@@ -5,6 +5,8 @@ Decode is bound by reading K/V, so the kernel is shaped around reading each cach
 * one program per (sequence, kv head, split) serves all query heads of that kv head (GQA grouping), the
   group padded to 16 rows so that both products run on tensor cores;
 * each iteration gathers ``BLOCK_N`` tokens through the block table (several pages when pages are small);
+* with a sliding window (``window`` > 0) the splits cover only the window's keys, so a long context with a
+  short window reads no more than the window;
 * a long context is cut into up to ``num_splits`` parts so that a few long sequences still occupy every SM;
   each part writes its running max, softmax denominator and unnormalised accumulator, and a second small
   kernel merges the parts.
@@ -19,7 +21,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, LOG2E, dot_precision, head_block, require_last_dim_contiguous, sm_count
+from ._common import (
+    INTERPRET,
+    LOG2E,
+    dot_precision,
+    head_block,
+    require_last_dim_contiguous,
+    sm_count,
+    tanh,
+)
 
 BLOCK_N = 64  # tokens gathered per iteration
 MIN_GROUP_ROWS = 16  # tl.dot needs at least 16 rows
@@ -38,6 +48,8 @@ def _decode_split_kernel(
     part_sum_ptr,
     part_acc_ptr,
     scale_log2e,
+    softcap_log2e,
+    window,
     num_splits,
     stride_qb,
     stride_qh,
@@ -56,6 +68,8 @@ def _decode_split_kernel(
     BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     MIN_SPLIT: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -64,10 +78,12 @@ def _decode_split_kernel(
     split = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + seq)
+    # The keys the query sees: the last `window` of them with a window, else all.
+    first = tl.maximum(seq_len - window, 0) if USE_WINDOW else 0
     # Whole BLOCK_N chunks per split, so only a split's last chunk is ragged; a short sequence takes fewer,
     # longer splits than the grid has (merging costs more than the parallelism wins below the minimum).
-    tokens_per_split = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, MIN_SPLIT)
-    start = split * tokens_per_split
+    tokens_per_split = tl.maximum(tl.cdiv(tl.cdiv(seq_len - first, num_splits), BLOCK_N) * BLOCK_N, MIN_SPLIT)
+    start = first + split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seq_len)
 
     offs_h = tl.arange(0, BLOCK_H)
@@ -104,6 +120,8 @@ def _decode_split_kernel(
         if UPCAST:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
+        if USE_SOFTCAP:  # c tanh(x / c) of the natural score x, in base 2 as s is
+            s = softcap_log2e * tanh(s / softcap_log2e)
         s = tl.where(n_mask[None, :], s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -192,12 +210,16 @@ def paged_decode_attention(
     num_splits: int | None = None,
     *,
     out: torch.Tensor | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged K/V; returns ``[batch, num_heads, head_dim]``.
 
     ``seq_lens[b]`` counts cached tokens including the current one; a row with ``seq_lens[b] == 0`` (batch
     padding) gets zeros. ``num_splits`` (at least 1) sizes the grid; by default it comes from the block
-    table's width, see `choose_num_splits`. ``out`` (optional) receives the result.
+    table's width, see `choose_num_splits`. ``out`` (optional) receives the result. ``window`` > 0: the
+    query sees only the last ``window`` keys (itself included); ``softcap`` > 0: scores are
+    ``softcap * tanh(score / softcap)`` after scaling (0: neither).
     Reference: `kernels.reference.paged_decode_attention_ref`.
     """
     batch, num_heads, head_dim = q.shape
@@ -217,6 +239,8 @@ def paged_decode_attention(
         )
     if num_splits < 1:
         raise ValueError(f"num_splits must be at least 1, got {num_splits}")
+    if window < 0 or softcap < 0:
+        raise ValueError(f"window and softcap must not be negative, got {window} and {softcap}")
     group = num_heads // num_kv_heads
 
     part_max = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
@@ -234,6 +258,8 @@ def paged_decode_attention(
         part_sum,
         part_acc,
         scale * LOG2E,
+        softcap * LOG2E,
+        window,
         num_splits,
         q.stride(0),
         q.stride(1),
@@ -252,6 +278,8 @@ def paged_decode_attention(
         BLOCK_D=block_d,
         PAGE_SIZE=page_size,
         MIN_SPLIT=MIN_TOKENS_PER_SPLIT,
+        USE_WINDOW=window > 0,
+        USE_SOFTCAP=softcap > 0,
         UPCAST=INTERPRET,
         DOT_PRECISION=dot_precision(q.dtype),
         num_warps=4,

@@ -7,7 +7,8 @@ positions ``0..position``. The chunk's own K/V are already in the cache, so the 
 A program owns a tile of ``BLOCK_M`` rows for one kv head: ``BLOCK_Q = BLOCK_M // GROUP`` consecutive query
 tokens of one sequence times the ``GROUP`` query heads that share the kv head (GQA), so each K/V chunk is
 loaded once for the whole group. It streams the sequence's K/V in ``BLOCK_N`` chunks through the block
-table, flash-attention style, and stops at the last position any of its rows can see.
+table, flash-attention style, from the first position any of its rows can see (0, or with a sliding
+window its first row's window start) to the last.
 
 The grid is sized by the step's total query tokens plus its sequences, as vLLM's unified attention does,
 rather than by the longest chunk times the batch: sequence ``b`` owns the tiles from
@@ -22,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, LOG2E, dot_precision, head_block, require_last_dim_contiguous
+from ._common import INTERPRET, LOG2E, dot_precision, head_block, require_last_dim_contiguous, tanh
 
 MIN_BLOCK_M = 16  # tl.dot needs 16 rows
 MAX_BLOCK_M = 64  # rows per tile for long chunks; more when a GQA group is larger
@@ -39,6 +40,8 @@ def _extend_kernel(
     seq_lens_ptr,
     out_ptr,
     scale_log2e,
+    softcap_log2e,
+    window,
     batch,
     stride_qt,
     stride_qh,
@@ -58,6 +61,8 @@ def _extend_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -105,11 +110,14 @@ def _extend_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    # The tile's last query token sees up to (and including) its own position.
+    # The tile's last query token sees up to (and including) its own position; with a window, its first
+    # token nothing before its window's start.
     kv_end = prefix_len + tl.minimum((q_block + 1) * BLOCK_Q, q_len)
+    kv_start = tl.maximum(prefix_len + q_block * BLOCK_Q - window + 1, 0) if USE_WINDOW else 0
 
-    # Position 0 is visible to every row, so m_i is finite after the first iteration (no inf - inf later).
-    for n0 in range(0, kv_end, BLOCK_N):
+    # Without a window position 0 is visible to every row, so m_i is finite after the first iteration (no
+    # inf - inf later); with one, a row may see nothing in the first iterations (see m_shift).
+    for n0 in range(kv_start, kv_end, BLOCK_N):
         pos = n0 + offs_n
         n_mask = pos < kv_end
         page = tl.load(table + pos // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
@@ -122,12 +130,18 @@ def _extend_kernel(
         if UPCAST:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
+        if USE_SOFTCAP:  # c tanh(x / c) of the natural score x, in base 2 as s is
+            s = softcap_log2e * tanh(s / softcap_log2e)
         visible = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])
+        if USE_WINDOW:
+            visible = visible & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        # A row that has seen no key yet keeps m = -inf: shift by 0 there, so its weights are 0, not NaN.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new) if USE_WINDOW else m_new
+        alpha = tl.exp2(m_i - m_shift)
+        p = tl.exp2(s - m_shift[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
 
         v = tl.load(v_cache_ptr + v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
@@ -136,6 +150,8 @@ def _extend_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
+    if USE_WINDOW:  # a padding row past the chunk's end may see no key at all
+        l_i = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_i[:, None]
     tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
@@ -170,13 +186,17 @@ def paged_extend_attention(
     max_query_len: int,
     *,
     out: torch.Tensor | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of the concatenated chunks ``q [num_tokens, num_heads, head_dim]`` over the cache.
 
     ``query_start_loc`` (``[batch+1]``, int32) delimits each sequence's chunk; rows of ``q`` past
     ``query_start_loc[-1]`` (padding) are left unwritten in ``out``. ``seq_lens[b]`` counts its cached tokens
     after this chunk was stored. ``max_query_len``, the longest chunk, only picks the tile size (the result
-    does not depend on it). ``out`` (optional) receives the result.
+    does not depend on it). ``out`` (optional) receives the result. ``window`` > 0: a query at position p
+    sees keys p - window + 1 to p; ``softcap`` > 0: scores are ``softcap * tanh(score / softcap)`` after
+    scaling (0: neither).
     Reference: `kernels.reference.paged_extend_attention_ref`.
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -184,6 +204,8 @@ def paged_extend_attention(
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
     require_last_dim_contiguous(q, k_cache, v_cache)
+    if window < 0 or softcap < 0:
+        raise ValueError(f"window and softcap must not be negative, got {window} and {softcap}")
     block_tables = block_tables.contiguous()
     if out is None:
         out = torch.empty_like(q)
@@ -202,6 +224,8 @@ def paged_extend_attention(
         seq_lens,
         out,
         scale * LOG2E,
+        softcap * LOG2E,
+        window,
         batch,
         q.stride(0),
         q.stride(1),
@@ -221,6 +245,8 @@ def paged_extend_attention(
         HEAD_DIM=head_dim,
         BLOCK_D=head_block(head_dim),
         PAGE_SIZE=page_size,
+        USE_WINDOW=window > 0,
+        USE_SOFTCAP=softcap > 0,
         UPCAST=INTERPRET,
         DOT_PRECISION=dot_precision(q.dtype),
         num_warps=4,

@@ -127,3 +127,22 @@ def assert_attention_close(out: torch.Tensor, ref: torch.Tensor) -> None:
 def assert_close() -> Callable[[torch.Tensor, torch.Tensor], None]:
     """:func:`assert_attention_close`, as a fixture so test modules need not import conftest."""
     return assert_attention_close
+
+
+def blocks_outside_window_poisoned(kv: PagedKV, first_keys: Sequence[int]) -> PagedKV:
+    """``kv`` with every block that lies wholly before sequence b's ``first_keys[b]`` (the earliest key
+    any of its queries sees through a sliding window) set to NaN: a kernel that reads a block outside the
+    window produces NaN and fails the comparison. The reference runs on ``kv`` itself."""
+    k_cache, v_cache = kv.k_cache.clone(), kv.v_cache.clone()
+    block_size = k_cache.shape[1]
+    for b, first in enumerate(first_keys):
+        dead = kv.block_tables[b, : max(0, first) // block_size].long()
+        k_cache[dead] = float("nan")
+        v_cache[dead] = float("nan")
+    return PagedKV(k_cache, v_cache, kv.block_tables, kv.seq_lens)
+
+
+@pytest.fixture
+def outside_window_poisoned() -> Callable[[PagedKV, Sequence[int]], PagedKV]:
+    """:func:`blocks_outside_window_poisoned`, as a fixture so test modules need not import conftest."""
+    return blocks_outside_window_poisoned

@@ -82,6 +82,13 @@ static inline float expf_nonpositive(float x) {
     return p * scale;
 }
 
+/* Attention soft-capping (Gemma 2): cap * tanh(s / cap), tanh|x| as (1 - e) / (1 + e) with e = exp(-2|x|) <= 1,
+ * so it vectorises as expf_nonpositive does; within ~1e-7 * cap of libm's. */
+static inline float soft_cap(float s, float cap) {
+    float x = s / cap, e = expf_nonpositive(-2.f * (x < 0.f ? -x : x)), t = (1.f - e) / (1.f + e);
+    return cap * (x < 0.f ? -t : t);
+}
+
 /* RMSNorm's sum of squares of a bf16 row, in 16 interleaved partial sums added pairwise at the end: one running
  * sum would make every addition wait for the one before, where 16 lanes vectorise. Every native RMSNorm sums
  * through here, so all give the same bits. */
@@ -119,6 +126,15 @@ static inline __m512 exp512_nonpositive(__m512 x) {
     return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
 
+/* soft_cap() on 16 lanes. */
+static inline __m512 soft_cap512(__m512 s, float cap) {
+    __m512 c = _mm512_set1_ps(cap), x = _mm512_div_ps(s, c);
+    __m512 e = exp512_nonpositive(_mm512_mul_ps(_mm512_abs_ps(x), _mm512_set1_ps(-2.f)));
+    __m512 one = _mm512_set1_ps(1.f), t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+    __m512i sign = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000u));
+    return _mm512_mul_ps(c, _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t), sign)));
+}
+
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -136,6 +152,15 @@ static inline __m256 exp256_nonpositive(__m256 x) {
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
     __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+/* soft_cap() on 8 lanes. */
+static inline __m256 soft_cap256(__m256 s, float cap) {
+    __m256 c = _mm256_set1_ps(cap), x = _mm256_div_ps(s, c);
+    __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32((int)0x80000000u)); /* not -0.f: -fno-signed-zeros */
+    __m256 e = exp256_nonpositive(_mm256_mul_ps(_mm256_andnot_ps(sign, x), _mm256_set1_ps(-2.f)));
+    __m256 one = _mm256_set1_ps(1.f), t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+    return _mm256_mul_ps(c, _mm256_or_ps(t, _mm256_and_ps(sign, x)));
 }
 
 /* fp32 lanes to bf16 as float_to_bf16 rounds them, in the high (odd: 1) or low (0) half of each 32-bit lane. */

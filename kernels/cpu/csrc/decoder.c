@@ -36,11 +36,11 @@ void sample_rows_f32(const float *logits, int rows, int vocab, const float *temp
                      int64_t *tokens, uint8_t *accepted, int num_threads);
 int paged_decode(const void *q, long q_stride, const void *k_cache, const void *v_cache, const int32_t *block_tables,
                  int max_blocks, const int32_t *seq_lens, void *out, int batch, int heads, int kv_heads, int head_dim,
-                 int block_size, int is_bf16, float scale, int num_threads);
+                 int block_size, int is_bf16, float scale, int window, float softcap, int num_threads);
 int paged_extend(const uint16_t *q, long q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                  const int32_t *block_tables, int max_blocks, const int32_t *query_start_loc, const int32_t *seq_lens,
                  uint16_t *out, int batch, int heads, int kv_heads, int head_dim, int block_size, int min_query_len,
-                 int max_query_len, float scale, int num_threads);
+                 int max_query_len, float scale, int window, float softcap, int num_threads);
 
 enum { LINEAR_BF16 = 1, LINEAR_QUANT = 2 };
 
@@ -144,9 +144,9 @@ static int attend(const struct decoder *d, const struct decoder_layer *layer, co
     int D = d->head_dim, q_width = d->heads * D;
     if (!extend || paged_extend(qkv, qkv_row, layer->k_cache, layer->v_cache, extend->tables, extend->max_blocks,
                                 extend->query_start_loc, extend->seq_lens, attn, extend->batch, d->heads,
-                                d->kv_heads, D, d->block_size, extend->lo, extend->hi, d->scale, threads))
+                                d->kv_heads, D, d->block_size, extend->lo, extend->hi, d->scale, 0, 0.f, threads))
         return paged_decode(qkv, qkv_row, layer->k_cache, layer->v_cache, tables, max_blocks, lens, attn, m, d->heads,
-                            d->kv_heads, D, d->block_size, 1, d->scale, threads);
+                            d->kv_heads, D, d->block_size, 1, d->scale, 0, 0.f, threads);
     /* The other sequences' tokens, a run of consecutive rows at a time. */
     const int32_t *starts = extend->query_start_loc;
     for (int b = 0, first = 0; b <= extend->batch; b++) {
@@ -158,7 +158,7 @@ static int attend(const struct decoder *d, const struct decoder_layer *layer, co
             int status = paged_decode(qkv + (long)first * qkv_row, qkv_row, layer->k_cache, layer->v_cache,
                                       tables + (long)first * max_blocks, max_blocks, lens + first,
                                       attn + (long)first * q_width, rows, d->heads, d->kv_heads, D, d->block_size, 1,
-                                      d->scale, threads);
+                                      d->scale, 0, 0.f, threads);
             if (status) return status;
         }
         if (b < extend->batch) first = starts[b + 1];

@@ -13,6 +13,9 @@
  *   block_tables [batch, max_blocks] int32
  *   seq_lens     [batch] int32 (cached tokens, the new one included)
  *   out          [batch, heads, head_dim]
+ * With a sliding window (window > 0) a sequence's query sees its last `window` keys only, and blocks wholly
+ * before them are never read; with soft-capping (softcap > 0) scores become softcap * tanh(score / softcap)
+ * after scaling (Gemma 2).
  */
 #include <float.h>
 #include <stdint.h>
@@ -23,6 +26,12 @@
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 16
 #define MAX_BLOCK 64
+
+/* Whether a query that sees `len` keys, with sliding window `window` (0: none), took the AMX route: it does for
+ * lo to hi keys where the window cuts none of them. */
+static inline int takes_keys(int len, int lo, int hi, int window) {
+    return len >= lo && len <= hi && (window <= 0 || len <= window);
+}
 
 /* One cached row of head_dim values as fp32. */
 static inline __attribute__((always_inline)) void load_row(const void *cache, long off, int head_dim, int is_bf16,
@@ -35,11 +44,12 @@ static inline __attribute__((always_inline)) void load_row(const void *cache, lo
     }
 }
 
-/* One (sequence, KV head): `group` query heads attend to `len` cached tokens. q/out rows are fp32.
+/* One (sequence, KV head): `group` query heads attend to cached tokens first..len-1. q/out rows are fp32.
  * Always inlined into callers with a constant head_dim, so the inner loops unroll for 64 and 128. */
-static inline __attribute__((always_inline)) void attend(const float *q, int group, int head_dim, int len, int block_size, int row_stride,
-                   const int32_t *table, const void *k_cache, const void *v_cache, int is_bf16,
-                   float scale, float *out) {
+static inline __attribute__((always_inline)) void attend(const float *q, int group, int head_dim, int first, int len,
+                                                         int block_size, int row_stride, const int32_t *table,
+                                                         const void *k_cache, const void *v_cache, int is_bf16,
+                                                         float scale, float cap, float *out) {
     float m[MAX_GROUP], l[MAX_GROUP], s[MAX_GROUP][MAX_BLOCK];
     float row[MAX_HEAD_DIM];
     for (int g = 0; g < group; g++) {
@@ -47,32 +57,34 @@ static inline __attribute__((always_inline)) void attend(const float *q, int gro
         l[g] = 0.f;
         memset(out + g * head_dim, 0, sizeof(float) * head_dim);
     }
-    for (int start = 0; start < len; start += block_size) {
+    for (int start = first / block_size * block_size; start < len; start += block_size) {
         int n = len - start < block_size ? len - start : block_size;
+        int lo = first > start ? first - start : 0; /* the block's keys before the window: weight 0 */
         long base = (long)table[start / block_size] * block_size * row_stride;
-        for (int t = 0; t < n; t++) {
+        for (int t = lo; t < n; t++) {
             load_row(k_cache, base + (long)t * row_stride, head_dim, is_bf16, row);
             for (int g = 0; g < group; g++) {
                 const float *qg = q + g * head_dim;
                 float dot = 0.f;
                 for (int d = 0; d < head_dim; d++) dot += qg[d] * row[d];
-                s[g][t] = dot * scale;
+                s[g][t] = cap > 0.f ? soft_cap(dot * scale, cap) : dot * scale;
             }
         }
         for (int g = 0; g < group; g++) {
             float block_max = m[g];
-            for (int t = 0; t < n; t++) block_max = s[g][t] > block_max ? s[g][t] : block_max;
+            for (int t = lo; t < n; t++) block_max = s[g][t] > block_max ? s[g][t] : block_max;
             float correction = expf_nonpositive(m[g] - block_max);
             l[g] *= correction;
             float *o = out + g * head_dim;
             for (int d = 0; d < head_dim; d++) o[d] *= correction;
-            for (int t = 0; t < n; t++) {
+            for (int t = 0; t < lo; t++) s[g][t] = 0.f;
+            for (int t = lo; t < n; t++) {
                 s[g][t] = expf_nonpositive(s[g][t] - block_max);
                 l[g] += s[g][t];
             }
             m[g] = block_max;
         }
-        for (int t = 0; t < n; t++) {
+        for (int t = lo; t < n; t++) {
             load_row(v_cache, base + (long)t * row_stride, head_dim, is_bf16, row);
             for (int g = 0; g < group; g++) {
                 float p = s[g][t];
@@ -140,15 +152,16 @@ static inline __attribute__((always_inline)) void prefetch_rows(const struct ahe
         }
 }
 
-/* One block of n cached tokens for one KV head and its G query heads, with G and D constant at each call
- * site: q.k runs on bf16 pairs straight from the cache (vdpbf16ps, exact products, fp32 sums) and each
- * query head's output row stays in registers while the block's values are summed into it. The online
- * softmax state (acc, m, l) lives in memory between blocks, so one task can walk several KV heads block
- * by block. */
-static inline __attribute__((always_inline)) void attend_block(const uint16_t *q, const int G, const int D, int n,
-                                                               int row_stride, const uint16_t *k,
-                                                               const uint16_t *v, float scale, __m512 *state,
-                                                               float *m, float *l, const struct ahead *ahead) {
+/* One block of n cached tokens for one KV head and its G query heads (keys before lo outside the window, their
+ * weights 0), with G and D constant at each call site: q.k runs on bf16 pairs straight from the cache (vdpbf16ps,
+ * exact products, fp32 sums) and each query head's output row stays in registers while the block's values are
+ * summed into it. The online softmax state (acc, m, l) lives in memory between blocks, so one task can walk
+ * several KV heads block by block. */
+static inline __attribute__((always_inline)) void attend_block(const uint16_t *q, const int G, const int D, int lo,
+                                                               int n, int row_stride, const uint16_t *k,
+                                                               const uint16_t *v, float scale, float cap,
+                                                               __m512 *state, float *m, float *l,
+                                                               const struct ahead *ahead) {
     const int NQ = D / 32, NO = D / 16; /* bf16 pairs vectors and fp32 vectors per row */
     __m512bh qv[G][NQ];
     __m512 acc[G][NO];
@@ -158,23 +171,25 @@ static inline __attribute__((always_inline)) void attend_block(const uint16_t *q
         for (int i = 0; i < NO; i++) acc[g][i] = state[g * NO + i];
     }
     for (int t0 = 0; t0 < n; t0 += 16)
-        for (int g = 0; g < G; g++)
-            _mm512_storeu_ps(s[g] + t0, _mm512_mul_ps(dot16(qv[g], NQ, k + (long)t0 * row_stride, row_stride, n - t0),
-                                                      _mm512_set1_ps(scale)));
+        for (int g = 0; g < G; g++) {
+            __m512 x = _mm512_mul_ps(dot16(qv[g], NQ, k + (long)t0 * row_stride, row_stride, n - t0),
+                                     _mm512_set1_ps(scale));
+            _mm512_storeu_ps(s[g] + t0, cap > 0.f ? soft_cap512(x, cap) : x);
+        }
     /* Softmax of the block, 16 scores per vector; lanes past n hold p = 0. The probabilities go on
      * rounded to bf16 (as flash attention does on GPUs), as the pairs of keys P @ V takes them. */
     uint32_t pairs[G][MAX_BLOCK / 2];
     for (int g = 0; g < G; g++) {
         float block_max = m[g];
         for (int t0 = 0; t0 < n; t0 += 16) {
-            __mmask16 valid = first_lanes(n - t0);
+            __mmask16 valid = first_lanes(n - t0) & ~first_lanes(lo - t0);
             float chunk = _mm512_mask_reduce_max_ps(valid, _mm512_maskz_loadu_ps(valid, s[g] + t0));
             block_max = chunk > block_max ? chunk : block_max;
         }
         float correction = expf_nonpositive(m[g] - block_max);
         __m512 sums = _mm512_setzero_ps(), shift = _mm512_set1_ps(block_max);
         for (int t0 = 0; t0 < n; t0 += 16) {
-            __mmask16 valid = first_lanes(n - t0);
+            __mmask16 valid = first_lanes(n - t0) & ~first_lanes(lo - t0);
             __m512 p = _mm512_maskz_mov_ps(valid, exp512_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s[g] + t0), shift)));
             _mm256_storeu_si256((__m256i *)(pairs[g] + t0 / 2), (__m256i)_mm512_cvtneps_pbh(p));
             sums = _mm512_add_ps(sums, p);
@@ -206,16 +221,17 @@ static inline __attribute__((always_inline)) void attend_block(const uint16_t *q
         for (int i = 0; i < NO; i++) state[g * NO + i] = acc[g][i];
 }
 
-/* The KV heads [h0, h0 + nh) of one sequence, block by block: every block is read from memory once,
- * all of the task's heads in turn, while the next two stream in. Measured faster than walking one head
- * through the whole context and then the next (AVX512-BF16 EPYC, batch 26, 30 layers' caches: 7.7 ms a
- * step against 9.5 with blocks in order, 11.4 against 12.5 in random order). q: the sequence's query
- * rows; out: nh * G rows of D fp32. */
+/* The KV heads [h0, h0 + nh) of one sequence, block by block from the one holding key `from`: every block is read
+ * from memory once, all of the task's heads in turn, while the next two stream in. Measured faster than walking
+ * one head through the whole context and then the next (AVX512-BF16 EPYC, batch 26, 30 layers' caches: 7.7 ms a
+ * step against 9.5 with blocks in order, 11.4 against 12.5 in random order). q: the sequence's query rows; out:
+ * nh * G rows of D fp32. */
 static inline __attribute__((always_inline)) void attend_avx512(const uint16_t *q, const int G, const int D,
-                                                                int h0, int nh, int len, int block_size,
-                                                                int row_stride, const int32_t *table,
-                                                                const uint16_t *k_cache, const uint16_t *v_cache,
-                                                                float scale, float *out) {
+                                                                int h0, int nh, int from, int len,
+                                                                int block_size, int row_stride,
+                                                                const int32_t *table, const uint16_t *k_cache,
+                                                                const uint16_t *v_cache, float scale, float cap,
+                                                                float *out) {
     const int NQ = D / 32, NO = D / 16;
     __m512 state[nh][G * NO];
     float m[nh][G], l[nh][G];
@@ -226,7 +242,7 @@ static inline __attribute__((always_inline)) void attend_avx512(const uint16_t *
             l[h][g] = 0.f;
         }
     int blocks = (len + block_size - 1) / block_size;
-    for (int j = 0; j < blocks; j++) {
+    for (int j = from / block_size; j < blocks; j++) {
         /* Blocks lie anywhere in memory, which the hardware prefetchers do not follow: while this block
          * is computed, its heads ask for the next block into L1 and the one after into L2, a few rows
          * at a time (see attend_block). Asked for all at once at the start of each block, the requests
@@ -236,13 +252,14 @@ static inline __attribute__((always_inline)) void attend_avx512(const uint16_t *
         long next = j + 1 < blocks ? (long)table[j + 1] * block_size * row_stride : -1;
         long after = j + 2 < blocks ? (long)table[j + 2] * block_size * row_stride : -1;
         int n = len - j * block_size < block_size ? len - j * block_size : block_size;
+        int lo = from > j * block_size ? from - j * block_size : 0;
         long base = (long)table[j] * block_size * row_stride;
         for (int h = h0; h < h0 + nh; h++) {
             long head = (long)h * D;
             struct ahead a = {next < 0 ? 0 : k_cache + next + head, next < 0 ? 0 : v_cache + next + head,
                               after < 0 ? 0 : k_cache + after + head, after < 0 ? 0 : v_cache + after + head};
-            attend_block(q + (long)h * G * D, G, D, n, row_stride, k_cache + base + head, v_cache + base + head,
-                         scale, state[h - h0], m[h - h0], l[h - h0], &a);
+            attend_block(q + (long)h * G * D, G, D, lo, n, row_stride, k_cache + base + head,
+                         v_cache + base + head, scale, cap, state[h - h0], m[h - h0], l[h - h0], &a);
         }
     }
     /* Unpacking interleaved words per 128-bit lane: acc[g][2h] lane 4c+w holds dim 32h+8c+w and
@@ -262,13 +279,13 @@ static inline __attribute__((always_inline)) void attend_avx512(const uint16_t *
 }
 
 /* The specialised kernel for the common shapes; returns 0 where it has none (the caller goes generic). */
-static int attend_bf16_fast(const uint16_t *q, int group, int head_dim, int h0, int nh, int len, int block_size,
-                            int row_stride, const int32_t *table, const uint16_t *k, const uint16_t *v,
-                            float scale, float *out) {
-#define CASE(G, D)                                                                              \
-    if (group == G && head_dim == D) {                                                          \
-        attend_avx512(q, G, D, h0, nh, len, block_size, row_stride, table, k, v, scale, out); \
-        return 1;                                                                               \
+static int attend_bf16_fast(const uint16_t *q, int group, int head_dim, int h0, int nh, int first, int len,
+                            int block_size, int row_stride, const int32_t *table, const uint16_t *k,
+                            const uint16_t *v, float scale, float cap, float *out) {
+#define CASE(G, D)                                                                                           \
+    if (group == G && head_dim == D) {                                                                       \
+        attend_avx512(q, G, D, h0, nh, first, len, block_size, row_stride, table, k, v, scale, cap, out);    \
+        return 1;                                                                                            \
     }
     CASE(1, 64) CASE(2, 64) CASE(3, 64) CASE(4, 64) CASE(5, 64) CASE(6, 64) CASE(7, 64) CASE(8, 64)
     CASE(1, 128) CASE(2, 128) CASE(3, 128) CASE(4, 128) CASE(5, 128) CASE(6, 128) CASE(7, 128) CASE(8, 128)
@@ -425,12 +442,13 @@ static inline __m512 packed_keys(const float *scores, int key, int last, const i
  * over keys k = 0, 1, 2 and 3 mod 4 are kept apart (sum[k % 4 / P] holds P of them, lane groups as the keys),
  * and `pairs` gets the bf16 probabilities of pairs of keys, a row's pair a lane. */
 static inline __attribute__((always_inline)) void probabilities(const float *scores, int key, int last, const int P,
-                                                                __m512i seen, __m512i offsets, __m512 k, __m512 top,
-                                                                __m512 *sum, __m512i *pairs) {
+                                                                __m512i seen, __m512i offsets, __m512 k, float cap,
+                                                                __m512 top, __m512 *sum, __m512i *pairs) {
     __m512 e[2];
     for (int i = 0; i < (P == 1 ? 2 : 1); i++) {
         __mmask16 lanes = _mm512_cmpgt_epi32_mask(seen, _mm512_add_epi32(_mm512_set1_epi32(key + i), offsets));
         __m512 s = _mm512_mul_ps(packed_keys(scores, key + i, last, P), k);
+        if (cap > 0.f) s = soft_cap512(s, cap);
         e[i] = _mm512_maskz_mov_ps(lanes, exp512_nonpositive(_mm512_sub_ps(s, top)));
         sum[(key + i) % 4 / P] = exactly(_mm512_add_ps(sum[(key + i) % 4 / P], e[i]));
     }
@@ -451,7 +469,8 @@ static inline __attribute__((always_inline)) void probabilities(const float *sco
  * maximum, probabilities (into b->probs, a row's keys in a row) and their sum, ((S0 + S1) + (S2 + S3)) of the
  * sums over keys k = 0..3 mod 4, each taken key by key, whatever P. */
 static inline __attribute__((always_inline)) void scores_and_probabilities(
-    const struct strip_buffers *b, int rows, const int *lens, int last, int groups, int width, float scale, const int P,
+    const struct strip_buffers *b, int rows, const int *lens, int last, int groups, int width, float scale, float cap,
+    const int P,
     const int D, const int32_t *table, int block_size, int row_stride, long head, const uint16_t *k_cache,
     const uint16_t *v_cache, float *sums) {
     __m512i seen = _mm512_maskz_loadu_epi32(first_lanes(rows), lens), offsets = _mm512_setzero_si512();
@@ -482,7 +501,8 @@ static inline __attribute__((always_inline)) void scores_and_probabilities(
         }
         for (int key = 16 * (j - 1); j > 0 && key < 16 * j && key < last; key += P) {
             __mmask16 lanes = _mm512_cmpgt_epi32_mask(seen, _mm512_add_epi32(_mm512_set1_epi32(key), offsets));
-            top = _mm512_mask_max_ps(top, lanes, top, _mm512_mul_ps(packed_keys(b->scores, key, last, P), k));
+            __m512 s = _mm512_mul_ps(packed_keys(b->scores, key, last, P), k);
+            top = _mm512_mask_max_ps(top, lanes, top, cap > 0.f ? soft_cap512(s, cap) : s);
         }
     }
     if (P >= 2) /* each row's maximum over the lane groups, in all of them */
@@ -493,7 +513,7 @@ static inline __attribute__((always_inline)) void scores_and_probabilities(
     for (int c = 0; c < width; c += 32) { /* 32 keys: 16 pairs of keys, a row's pair a lane, then a row a vector */
         __m512i pairs[16];
         for (int key = c; key < c + 32; key += P == 4 ? 4 : 2)
-            probabilities(b->scores, key, last, P, seen, offsets, k, top, sum, pairs + (key - c) / 2);
+            probabilities(b->scores, key, last, P, seen, offsets, k, cap, top, sum, pairs + (key - c) / 2);
         transpose16(pairs);
         for (int r = 0; r < rows; r++) _mm512_storeu_si512((char *)b->probs + 2L * (r * width + c), pairs[r]);
     }
@@ -515,7 +535,7 @@ static inline __attribute__((always_inline)) void scores_and_probabilities(
 /* One strip: rows[r] is row r's query (D bf16), lens[r] the keys it sees, outs[r] where its output goes. */
 static void strip_amx(const int D, int rows, const uint16_t *const *q, const int *lens, const int32_t *table,
                       int block_size, int row_stride, long head, const uint16_t *k_cache, const uint16_t *v_cache,
-                      float scale, uint16_t *const *outs, const struct strip_buffers *b) {
+                      float scale, float cap, uint16_t *const *outs, const struct strip_buffers *b) {
     int last = 0;
     for (int r = 0; r < rows; r++) last = lens[r] > last ? lens[r] : last;
     const int groups = (last + 15) / 16, width = (last + 31) / 32 * 32, pitch = 2 * width; /* P's, bytes */
@@ -531,13 +551,13 @@ static void strip_amx(const int D, int rows, const uint16_t *const *q, const int
      * strip of up to 8 (4) rows takes 2 (4) keys a vector for its softmax. */
     float sums[STRIP];
     if (rows <= 4)
-        scores_and_probabilities(b, rows, lens, last, groups, width, scale, 4, D, table, block_size, row_stride,
+        scores_and_probabilities(b, rows, lens, last, groups, width, scale, cap, 4, D, table, block_size, row_stride,
                                  head, k_cache, v_cache, sums);
     else if (rows <= 8)
-        scores_and_probabilities(b, rows, lens, last, groups, width, scale, 2, D, table, block_size, row_stride,
+        scores_and_probabilities(b, rows, lens, last, groups, width, scale, cap, 2, D, table, block_size, row_stride,
                                  head, k_cache, v_cache, sums);
     else
-        scores_and_probabilities(b, rows, lens, last, groups, width, scale, 1, D, table, block_size, row_stride,
+        scores_and_probabilities(b, rows, lens, last, groups, width, scale, cap, 1, D, table, block_size, row_stride,
                                  head, k_cache, v_cache, sums);
     /* 3. O = P V, 64 dimensions a pass; each chunk's value pairs are laid out while the chunk before multiplies */
     for (int d0 = 0; d0 < D; d0 += DIMS_A_PASS) {
@@ -566,18 +586,19 @@ static void strip_amx(const int D, int rows, const uint16_t *const *q, const int
     }
 }
 
-/* paged_decode through AMX strips for the tokens that see AMX_MIN_KEYS to AMX_MAX_KEYS keys (batch: at most
- * AMX_MAX_TOKENS). The tokens of a step that follow each other with the same block table are one sequence's (a
- * draft being verified, a short prompt chunk): a task is such a run's rows for one KV head, 16 at a time, so the
- * run reads its keys once a strip rather than once a token. Its buffers, bounded by both limits, are on the
- * threads' stacks. */
+/* paged_decode through AMX strips for the tokens that see AMX_MIN_KEYS to AMX_MAX_KEYS keys, all of their
+ * sequence's (a window cuts none of them: the strips read from key 0), batch: at most AMX_MAX_TOKENS. The tokens
+ * of a step that follow each other with the same block table are one sequence's (a draft being verified, a short
+ * prompt chunk): a task is such a run's rows for one KV head, 16 at a time, so the run reads its keys once a strip
+ * rather than once a token. Its buffers, bounded by both limits, are on the threads' stacks. */
 static void paged_decode_amx(const uint16_t *q, long q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                              const int32_t *tables, int max_blocks, const int32_t *seq_lens, uint16_t *out, int batch,
-                             int heads, int kv_heads, int D, int block_size, float scale, int num_threads) {
+                             int heads, int kv_heads, int D, int block_size, float scale, int window, float cap,
+                             int num_threads) {
     int group = heads / kv_heads, row_stride = kv_heads * D, runs = 0, longest = 0;
     int first[AMX_MAX_TOKENS], end[AMX_MAX_TOKENS]; /* run r: tokens [first, end) */
     for (int b = 0; b < batch; b++) {
-        if (seq_lens[b] < AMX_MIN_KEYS || seq_lens[b] > AMX_MAX_KEYS) continue;
+        if (!takes_keys(seq_lens[b], AMX_MIN_KEYS, AMX_MAX_KEYS, window)) continue;
         longest = seq_lens[b] > longest ? seq_lens[b] : longest;
         if (runs == 0 || end[runs - 1] != b ||
             memcmp(tables + (long)b * max_blocks, tables + (long)(b - 1) * max_blocks, sizeof(int32_t) * max_blocks))
@@ -617,7 +638,7 @@ static void paged_decode_amx(const uint16_t *q, long q_stride, const uint16_t *k
                 lens[j] = seq_lens[token];
             }
             strip_amx(D, rows, rq, lens, tables + (long)first[r] * max_blocks, block_size, row_stride, (long)h * D,
-                      k_cache, v_cache, scale, ro, &b);
+                      k_cache, v_cache, scale, cap, ro, &b);
         }
         _tile_release(); /* a thread holding tile state costs every context switch 8 KB more */
     }
@@ -635,9 +656,9 @@ int paged_decode_set_amx(int on) {
 #endif
 
 /* One KV head of one sequence through the generic loops: fp32 caches, or shapes without a fast path. */
-static void attend_generic(const void *q, const void *k_cache, const void *v_cache, const int32_t *table, int len,
-                           int group, int head_dim, int block_size, int row_stride, int is_bf16, float scale,
-                           void *out) {
+static void attend_generic(const void *q, const void *k_cache, const void *v_cache, const int32_t *table, int first,
+                           int len, int group, int head_dim, int block_size, int row_stride, int is_bf16, float scale,
+                           float cap, void *out) {
     float qf[MAX_GROUP * MAX_HEAD_DIM], of[MAX_GROUP * MAX_HEAD_DIM];
     int n = group * head_dim;
     if (is_bf16) {
@@ -645,7 +666,8 @@ static void attend_generic(const void *q, const void *k_cache, const void *v_cac
     } else {
         memcpy(qf, q, sizeof(float) * n);
     }
-#define ATTEND(DIM, BF16) attend(qf, group, DIM, len, block_size, row_stride, table, k_cache, v_cache, BF16, scale, of)
+#define ATTEND(DIM, BF16) \
+    attend(qf, group, DIM, first, len, block_size, row_stride, table, k_cache, v_cache, BF16, scale, cap, of)
     if (is_bf16 && head_dim == 64) ATTEND(64, 1);
     else if (is_bf16 && head_dim == 128) ATTEND(128, 1);
     else if (is_bf16) ATTEND(head_dim, 1);
@@ -660,11 +682,12 @@ static void attend_generic(const void *q, const void *k_cache, const void *v_cac
     }
 }
 
-/* Returns 0, or -1 when a shape exceeds this kernel's fixed limits (the caller falls back). */
+/* Returns 0, or -1 when a shape exceeds this kernel's fixed limits (the caller falls back). window: 0 or the
+ * keys a query sees (its own included); softcap: 0 or the cap of the scores. */
 int paged_decode(const void *q, long q_stride, const void *k_cache, const void *v_cache,
                  const int32_t *block_tables, int max_blocks, const int32_t *seq_lens, void *out,
                  int batch, int heads, int kv_heads, int head_dim, int block_size, int is_bf16,
-                 float scale, int num_threads) {
+                 float scale, int window, float softcap, int num_threads) {
     int group = heads / kv_heads;
     if (head_dim > MAX_HEAD_DIM || group > MAX_GROUP || block_size > MAX_BLOCK) return -1;
     int row_stride = kv_heads * head_dim, size = is_bf16 ? 2 : 4;
@@ -673,12 +696,12 @@ int paged_decode(const void *q, long q_stride, const void *k_cache, const void *
     if (decode_amx && is_bf16 && (head_dim == 64 || head_dim == 128) && block_size % 16 == 0 &&
         batch <= AMX_MAX_TOKENS && amx_permitted()) {
         paged_decode_amx(q, q_stride, k_cache, v_cache, block_tables, max_blocks, seq_lens, out, batch, heads,
-                         kv_heads, head_dim, block_size, scale, num_threads);
+                         kv_heads, head_dim, block_size, scale, window, softcap, num_threads);
         amx_keys[0] = AMX_MIN_KEYS, amx_keys[1] = AMX_MAX_KEYS;
     }
 #endif
     int left = 0;
-    for (int b = 0; b < batch; b++) left += seq_lens[b] < amx_keys[0] || seq_lens[b] > amx_keys[1];
+    for (int b = 0; b < batch; b++) left += !takes_keys(seq_lens[b], amx_keys[0], amx_keys[1], window);
     if (left == 0) return 0;
     /* With enough sequences to keep every thread busy, a task is a whole sequence, all its KV heads on
      * one core (see attend_avx512); with fewer, one KV head, so a single sequence still uses several. */
@@ -686,14 +709,16 @@ int paged_decode(const void *q, long q_stride, const void *k_cache, const void *
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int task = 0; task < batch * tasks_per_seq; task++) {
         int b = task / tasks_per_seq, h0 = task % tasks_per_seq * heads_per_task;
-        if (seq_lens[b] >= amx_keys[0] && seq_lens[b] <= amx_keys[1]) continue;
+        if (takes_keys(seq_lens[b], amx_keys[0], amx_keys[1], window)) continue;
+        int first = window > 0 && seq_lens[b] > window ? seq_lens[b] - window : 0; /* its first visible key */
         const char *q_seq = (const char *)q + (long)b * q_stride * size;
         char *out_seq = (char *)out + (long)b * heads * head_dim * size;
         const int32_t *table = block_tables + (long)b * max_blocks;
 #ifdef HAVE_AVX512_BF16
         float of[heads_per_task * group * head_dim];
-        if (is_bf16 && attend_bf16_fast((const uint16_t *)q_seq, group, head_dim, h0, heads_per_task, seq_lens[b],
-                                        block_size, row_stride, table, k_cache, v_cache, scale, of)) {
+        if (is_bf16 && attend_bf16_fast((const uint16_t *)q_seq, group, head_dim, h0, heads_per_task, first,
+                                        seq_lens[b], block_size, row_stride, table, k_cache, v_cache, scale, softcap,
+                                        of)) {
             uint16_t *o = (uint16_t *)out_seq + (long)h0 * group * head_dim;
             for (int i = 0; i < heads_per_task * group * head_dim; i++) o[i] = float_to_bf16(of[i]);
             continue;
@@ -702,7 +727,8 @@ int paged_decode(const void *q, long q_stride, const void *k_cache, const void *
         for (int h = h0; h < h0 + heads_per_task; h++) {
             long rows = (long)h * group * head_dim * size, cache_off = (long)h * head_dim * size;
             attend_generic(q_seq + rows, (const char *)k_cache + cache_off, (const char *)v_cache + cache_off, table,
-                           seq_lens[b], group, head_dim, block_size, row_stride, is_bf16, scale, out_seq + rows);
+                           first, seq_lens[b], group, head_dim, block_size, row_stride, is_bf16, scale, softcap,
+                           out_seq + rows);
         }
     }
     return 0;

@@ -22,6 +22,10 @@
  *   query_start_loc [batch + 1] int32: sequence b's new tokens are rows [query_start_loc[b], [b + 1])
  *   seq_lens        [batch] int32: cached tokens after this step, the new ones included
  *   out             [tokens, heads, head_dim]  only the rows of the sequences this call serves are written
+ * With a sliding window (window > 0) a query at position p sees keys p - window + 1 to p: a sequence's tiles
+ * start at the step holding the earliest key any of its new tokens sees (keys before it in those tiles zero,
+ * blocks before it never read). With soft-capping (softcap > 0) scores become softcap * tanh(score / softcap)
+ * after scaling (Gemma 2).
  */
 #include <float.h>
 #include <limits.h>
@@ -52,15 +56,16 @@ typedef uint16_t kv_t; /* the tiles' values: bf16 */
 
 /* Tile j of one KV head of one sequence, from the paged cache: keys as [D/2][16 keys][2] (dimension pair p of
  * 16 keys in one vector, which a query's pair p multiplies into 16 scores) and values as [8][D][2] (keys 2i
- * and 2i + 1 interleaved along the dimensions, which a pair of probabilities multiplies). Keys past `len`
- * are zero, so their masked probabilities multiply zeros, never stale NaNs. */
-static void relayout_tile(const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *table, int len,
+ * and 2i + 1 interleaved along the dimensions, which a pair of probabilities multiplies). Keys before `from`
+ * (outside every window) and from `len` on are zero, so their masked probabilities multiply zeros, never
+ * stale NaNs. */
+static void relayout_tile(const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *table, int from, int len,
                           int block_size, int row_stride, int head_offset, int D, int j, uint16_t *keys,
                           uint16_t *values) {
     for (int t = 0; t < KEYS; t++) {
         int key = j * KEYS + t;
         uint16_t *vt = values + (long)(t / 2) * D * 2 + (t & 1);
-        if (key >= len) {
+        if (key < from || key >= len) {
             for (int p = 0; p < D / 2; p++) keys[(p * KEYS + t) * 2] = keys[(p * KEYS + t) * 2 + 1] = 0;
             for (int d = 0; d < D; d++) vt[2 * d] = 0;
             continue;
@@ -75,26 +80,30 @@ static void relayout_tile(const uint16_t *k_cache, const uint16_t *v_cache, cons
     }
 }
 
-/* R query rows of one KV head (row r at position pos[r]) against the tiles of keys up to the latest of
- * them, T tiles a step: each key vector loaded serves R rows, each query pair T tiles, and the softmax's
- * maximum and rescaling come once a step. D, R and T are constants at each call site, so the output rows
- * (R * D / 16 vectors) and the step's scores (R * T vectors) stay in registers. */
+/* R query rows of one KV head (row r at position pos[r]) against the tiles of keys up to the latest of them, from
+ * the step holding the earliest key one of them sees (keys: from tile j0 on), T tiles a step: each key vector
+ * loaded serves R rows, each query pair T tiles, and the softmax's maximum and rescaling come once a step. D, R
+ * and T are constants at each call site, so the output rows (R * D / 16 vectors) and the step's scores (R * T
+ * vectors) stay in registers. */
 static inline __attribute__((always_inline)) void attend_rows(const int D, const int R, const int T,
                                                               const uint16_t *const *q, const int *pos,
-                                                              const uint16_t *keys, const uint16_t *values,
-                                                              float scale, uint16_t *const *out) {
+                                                              const uint16_t *keys, const uint16_t *values, int j0,
+                                                              float scale, int window, float cap,
+                                                              uint16_t *const *out) {
     const int NO = D / 16;
     __m512 acc[MAX_ROWS][MAX_HEAD_DIM / 16], sums[MAX_ROWS];
     float m[MAX_ROWS];
-    int last = 0;
+    int last = 0, earliest = INT_MAX;
     for (int r = 0; r < R; r++) {
         for (int i = 0; i < NO; i++) acc[r][i] = _mm512_setzero_ps();
         sums[r] = _mm512_setzero_ps();
         m[r] = -FLT_MAX;
         last = pos[r] > last ? pos[r] : last;
+        earliest = pos[r] < earliest ? pos[r] : earliest;
     }
-    for (int j = 0; j <= last / KEYS; j += T) {
-        const uint16_t *kt = keys + (long)j * D * KEYS, *vt = values + (long)j * D * KEYS;
+    int start = window > 0 && earliest - window + 1 > j0 * KEYS ? (earliest - window + 1) / KEYS / T * T : j0;
+    for (int j = start; j <= last / KEYS; j += T) {
+        const uint16_t *kt = keys + (long)(j - j0) * D * KEYS, *vt = values + (long)(j - j0) * D * KEYS;
         __m512 s[MAX_ROWS][MAX_STEP];
         for (int r = 0; r < R; r++)
             for (int t = 0; t < T; t++) s[r][t] = _mm512_setzero_ps();
@@ -114,7 +123,9 @@ static inline __attribute__((always_inline)) void attend_rows(const int D, const
             __m512 top = _mm512_set1_ps(m[r]);
             for (int t = 0; t < T; t++) {
                 visible[t] = first_lanes(pos[r] - (j + t) * KEYS + 1);
+                if (window > 0) visible[t] &= ~first_lanes(pos[r] - window + 1 - (j + t) * KEYS);
                 s[r][t] = _mm512_mul_ps(s[r][t], _mm512_set1_ps(scale));
+                if (cap > 0.f) s[r][t] = soft_cap512(s[r][t], cap);
                 top = _mm512_mask_max_ps(top, visible[t], top, s[r][t]);
             }
             float new_max = _mm512_reduce_max_ps(top);
@@ -149,8 +160,8 @@ static inline __attribute__((always_inline)) void attend_rows(const int D, const
 static inline __attribute__((always_inline)) void attend_task(const int D, const int R, const int T, const uint16_t *q,
                                                               long q_stride, int group, int heads, int head0,
                                                               int first_pos, int tokens, const uint16_t *keys,
-                                                              const uint16_t *values, float scale, uint16_t *out,
-                                                              void *unused) {
+                                                              const uint16_t *values, int j0, float scale,
+                                                              int window, float cap, uint16_t *out, void *unused) {
     (void)unused;
     uint16_t scratch[MAX_HEAD_DIM];
     for (int row0 = 0; row0 < tokens * group; row0 += R) {
@@ -164,7 +175,7 @@ static inline __attribute__((always_inline)) void attend_task(const int D, const
             outs[r] = row0 + r < tokens * group ? out + ((long)t * heads + head) * D : scratch;
             pos[r] = first_pos + t;
         }
-        attend_rows(D, R, T, rows, pos, keys, values, scale, outs);
+        attend_rows(D, R, T, rows, pos, keys, values, j0, scale, window, cap, outs);
     }
 }
 
@@ -187,7 +198,7 @@ static int extend_amx = 1; /* tests turn it off to exercise the vdpbf16ps routin
 /* Scores of key tile j (16 keys) for the strip's queries, in tiles 4.. (D / 32 of them), into scores. */
 #define SCORE_TILE(S, B, D, j)                                                                               \
     do {                                                                                                     \
-        const uint16_t *kt = keys + (long)(j) * (D) * KEYS;                                                  \
+        const uint16_t *kt = keys + (long)((j) - j0) * (D) * KEYS;                                           \
         _tile_zero(S);                                                                                       \
         _tile_loadd(B, kt, 64);                                                                              \
         _tile_dpbf16ps(S, 4, B);                                                                             \
@@ -203,14 +214,20 @@ static int extend_amx = 1; /* tests turn it off to exercise the vdpbf16ps routin
     } while (0)
 
 /* One strip of up to 16 query rows (row r: its query qrows[r], at position pos[r], out to outs[r]) over the
- * keys up to its latest position. Scratch: qbuf [16][D] bf16, scores [16][width] fp32 and probs [16][width]
+ * keys up to its latest position, from the pair of tiles holding the earliest key one of them sees (keys and
+ * values: from tile j0 on). Scratch: qbuf [16][D] bf16, scores [16][width] fp32 and probs [16][width]
  * bf16 for width = keys rounded up to 32, obuf [16][64] fp32. */
 static void attend_strip_amx(const int D, int rows, const uint16_t *const *qrows, const int *pos,
-                             const uint16_t *keys, const uint16_t *values, float scale, uint16_t *const *outs,
-                             uint16_t *qbuf, float *scores, uint16_t *probs, float *obuf) {
-    int last = 0;
-    for (int r = 0; r < rows; r++) last = pos[r] > last ? pos[r] : last;
+                             const uint16_t *keys, const uint16_t *values, int j0, float scale, int window, float cap,
+                             uint16_t *const *outs, uint16_t *qbuf, float *scores, uint16_t *probs, float *obuf) {
+    int last = 0, earliest = INT_MAX;
+    for (int r = 0; r < rows; r++) {
+        last = pos[r] > last ? pos[r] : last;
+        earliest = pos[r] < earliest ? pos[r] : earliest;
+    }
     const int width = (last / 32 + 1) * 32, key_tiles = width / KEYS;
+    /* the first key column: a multiple of 32 (whole pairs of tiles), at or after tile j0 */
+    const int c0 = window > 0 && earliest - window + 1 > j0 * KEYS ? (earliest - window + 1) / 32 * 32 : j0 * KEYS;
     for (int r = 0; r < STRIP; r++) {
         if (r < rows)
             memcpy(qbuf + r * D, qrows[r], sizeof(uint16_t) * D);
@@ -223,7 +240,7 @@ static void attend_strip_amx(const int D, int rows, const uint16_t *const *qrows
         _tile_loadd(6, qbuf + 64, 2 * D);
         _tile_loadd(7, qbuf + 96, 2 * D);
     }
-    for (int j = 0; j < key_tiles; j += 2) { /* width is whole pairs of key tiles */
+    for (int j = c0 / KEYS; j < key_tiles; j += 2) { /* width is whole pairs of key tiles */
         SCORE_TILE(2, 0, D, j);
         SCORE_TILE(3, 1, D, j + 1);
     }
@@ -231,16 +248,18 @@ static void attend_strip_amx(const int D, int rows, const uint16_t *const *qrows
     for (int r = 0; r < STRIP; r++) {
         float *s = scores + (long)r * width;
         uint16_t *p = probs + (long)r * width;
-        int visible = r < rows ? pos[r] + 1 : 0;
+        int visible = r < rows ? pos[r] + 1 : 0, hidden = window > 0 && r < rows ? pos[r] - window + 1 : 0;
         __m512 top = _mm512_set1_ps(-FLT_MAX), sum = _mm512_setzero_ps(), k = _mm512_set1_ps(scale);
-        for (int c = 0; c < visible; c += 16) {
-            __mmask16 lanes = first_lanes(visible - c);
-            top = _mm512_mask_max_ps(top, lanes, top, _mm512_mul_ps(_mm512_loadu_ps(s + c), k));
+        for (int c = c0; c < visible; c += 16) {
+            __mmask16 lanes = first_lanes(visible - c) & ~first_lanes(hidden - c);
+            __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s + c), k);
+            top = _mm512_mask_max_ps(top, lanes, top, cap > 0.f ? soft_cap512(x, cap) : x);
         }
         __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top));
-        for (int c = 0; c < width; c += 16) {
-            __mmask16 lanes = c < visible ? first_lanes(visible - c) : 0;
-            __m512 e = exp512_nonpositive(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(s + c), k), shift));
+        for (int c = c0; c < width; c += 16) {
+            __mmask16 lanes = c < visible ? first_lanes(visible - c) & ~first_lanes(hidden - c) : 0;
+            __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s + c), k);
+            __m512 e = exp512_nonpositive(_mm512_sub_ps(cap > 0.f ? soft_cap512(x, cap) : x, shift));
             e = _mm512_maskz_mov_ps(lanes, e);
             sum = _mm512_add_ps(sum, e);
             _mm256_storeu_si256((__m256i *)(p + c), (__m256i)_mm512_cvtneps_pbh(e));
@@ -252,9 +271,9 @@ static void attend_strip_amx(const int D, int rows, const uint16_t *const *qrows
         _tile_zero(5);
         _tile_zero(6);
         _tile_zero(7);
-        for (int c = 0; c < width; c += 32) {
+        for (int c = c0; c < width; c += 32) {
             /* value rows: key pairs of keys c..c+31 (two value tiles, contiguous), D pairs of dims apart */
-            const uint16_t *vt = values + (long)(c / KEYS) * D * KEYS + 2 * d0;
+            const uint16_t *vt = values + (long)(c / KEYS - j0) * D * KEYS + 2 * d0;
             tiles_pv(probs + c, 2 * width, vt, 4 * D);
         }
         _tile_stored(4, obuf, 4 * DIMS_A_PASS);
@@ -272,8 +291,9 @@ static void attend_strip_amx(const int D, int rows, const uint16_t *const *qrows
 
 /* A task's rows (token, query head of the group), 16 at a time, through attend_strip_amx. */
 static void attend_task_amx(const int D, const uint16_t *q, long q_stride, int group, int heads, int head0,
-                            int first_pos, int tokens, const uint16_t *keys, const uint16_t *values, float scale,
-                            uint16_t *out, uint16_t *qbuf, float *scores, uint16_t *probs, float *obuf) {
+                            int first_pos, int tokens, const uint16_t *keys, const uint16_t *values, int j0,
+                            float scale, int window, float cap, uint16_t *out, uint16_t *qbuf, float *scores,
+                            uint16_t *probs, float *obuf) {
     for (int row0 = 0; row0 < tokens * group; row0 += STRIP) {
         const uint16_t *rows[STRIP];
         uint16_t *outs[STRIP];
@@ -284,7 +304,7 @@ static void attend_task_amx(const int D, const uint16_t *q, long q_stride, int g
             outs[r] = out + ((long)t * heads + head) * D;
             pos[r] = first_pos + t;
         }
-        attend_strip_amx(D, n, rows, pos, keys, values, scale, outs, qbuf, scores, probs, obuf);
+        attend_strip_amx(D, n, rows, pos, keys, values, j0, scale, window, cap, outs, qbuf, scores, probs, obuf);
     }
 }
 #endif
@@ -301,14 +321,15 @@ typedef float kv_t; /* the tiles' values: fp32 */
 #define RT128 2, 4
 
 /* Tile j of one KV head of one sequence in fp32: keys as [D][8 keys] (dimension d of 8 keys in one vector,
- * which a query's dimension d multiplies into 8 scores) and values as [8 keys][D]. Keys past `len` are zero. */
-static void relayout_tile(const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *table, int len,
+ * which a query's dimension d multiplies into 8 scores) and values as [8 keys][D]. Keys before `from` and from
+ * `len` on are zero. */
+static void relayout_tile(const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *table, int from, int len,
                           int block_size, int row_stride, int head_offset, int D, int j, float *keys,
                           float *values) {
     for (int t = 0; t < KEYS; t++) {
         int key = j * KEYS + t;
         float *vt = values + (long)t * D;
-        if (key >= len) {
+        if (key < from || key >= len) {
             for (int d = 0; d < D; d++) keys[d * KEYS + t] = vt[d] = 0.f;
             continue;
         }
@@ -321,21 +342,23 @@ static void relayout_tile(const uint16_t *k_cache, const uint16_t *v_cache, cons
     }
 }
 
-/* The running state of one query row: its query in fp32 (scaled), its output sums, softmax maximum and sum. */
+/* The running state of one query row: its query in fp32 (scaled), its output sums, softmax maximum and sum, its
+ * position and its window's first key (0 without one). */
 struct row_state {
     float q[MAX_HEAD_DIM], acc[MAX_HEAD_DIM], m, sum;
-    int pos;
+    int pos, from;
 };
 
-/* R rows' states against tiles j0 up to j1 (exclusive), T tiles a step, with an online softmax as in the
- * AVX-512 routine. D, R and T are constants at each call site, so a step's scores (R * T vectors) and P @ V's
- * sums (R rows by 32 dimensions) stay in registers. */
+/* R rows' states against tiles j0 up to j1 (exclusive), T tiles a step, with an online softmax as in the AVX-512
+ * routine; keys and values hold the tiles from `base` on. D, R and T are constants at each call site, so a step's
+ * scores (R * T vectors) and P @ V's sums (R rows by 32 dimensions) stay in registers. */
 static inline __attribute__((always_inline)) void attend_steps(const int D, const int R, const int T,
                                                                struct row_state *const *st, int j0, int j1,
-                                                               const float *keys, const float *values) {
+                                                               const float *keys, const float *values, int base,
+                                                               int window, float cap) {
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     for (int j = j0; j < j1; j += T) {
-        const float *kt = keys + (long)j * D * KEYS, *vt = values + (long)j * D * KEYS;
+        const float *kt = keys + (long)(j - base) * D * KEYS, *vt = values + (long)(j - base) * D * KEYS;
         __m256 s[MAX_ROWS][MAX_STEP];
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++)
@@ -360,6 +383,11 @@ static inline __attribute__((always_inline)) void attend_steps(const int D, cons
             for (int t = 0; t < T; t++) {
                 __m256i key = _mm256_add_epi32(lane, _mm256_set1_epi32((j + t) * KEYS));
                 visible[t] = _mm256_cmpgt_epi32(_mm256_set1_epi32(st[r]->pos + 1), key);
+                if (window > 0) {
+                    __m256i seen = _mm256_cmpgt_epi32(key, _mm256_set1_epi32(st[r]->from - 1));
+                    visible[t] = _mm256_and_si256(visible[t], seen);
+                }
+                if (cap > 0.f) s[r][t] = soft_cap256(s[r][t], cap);
                 top = _mm256_max_ps(top, _mm256_blendv_ps(top, s[r][t], _mm256_castsi256_ps(visible[t])));
             }
             top = _mm256_max_ps(top, _mm256_permute2f128_ps(top, top, 1));
@@ -420,8 +448,8 @@ static inline __attribute__((always_inline)) void attend_steps(const int D, cons
 static inline __attribute__((always_inline)) void attend_task(const int D, const int R, const int T, const uint16_t *q,
                                                               long q_stride, int group, int heads, int head0,
                                                               int first_pos, int tokens, const float *keys,
-                                                              const float *values, float scale, uint16_t *out,
-                                                              struct row_state *state) {
+                                                              const float *values, int j0, float scale, int window,
+                                                              float cap, uint16_t *out, struct row_state *state) {
     int part = MAX_TASK_ROWS / group; /* tokens a part */
     for (int t0 = 0; t0 < tokens; t0 += part) {
         int n = tokens - t0 < part ? tokens - t0 : part, rows = n * group, padded = (rows + R - 1) / R * R;
@@ -435,15 +463,21 @@ static inline __attribute__((always_inline)) void attend_task(const int D, const
             state[row].m = -FLT_MAX;
             state[row].sum = 0.f;
             state[row].pos = first_pos + t0 + from / group;
+            state[row].from = window > 0 && state[row].pos - window + 1 > 0 ? state[row].pos - window + 1 : 0;
         }
         int last_tile = (first_pos + t0 + n - 1) / KEYS;
-        for (int b = 0; b <= last_tile; b += BLOCK_TILES)
+        /* from the step holding the part's earliest visible key, at or after tile j0 (where keys start) */
+        int first_tile = state[0].from / KEYS / T * T > j0 ? state[0].from / KEYS / T * T : j0;
+        for (int b = first_tile; b <= last_tile; b += BLOCK_TILES)
             for (int row0 = 0; row0 < padded; row0 += R) {
                 struct row_state *st[MAX_ROWS];
                 for (int r = 0; r < R; r++) st[r] = &state[row0 + r];
-                /* this block's tiles up to the later row's position, in whole steps (past it masked) */
+                /* this block's tiles from the earlier row's window up to the later row's position, in whole
+                 * steps (past them masked) */
                 int end = st[R - 1]->pos / KEYS + 1, j1 = b + BLOCK_TILES < end ? b + BLOCK_TILES : end;
-                if (b < j1) attend_steps(D, R, T, st, b, b + (j1 - b + T - 1) / T * T, keys, values);
+                int j0r = st[0]->from / KEYS / T * T > b ? st[0]->from / KEYS / T * T : b;
+                if (j0r < j1)
+                    attend_steps(D, R, T, st, j0r, j0r + (j1 - j0r + T - 1) / T * T, keys, values, j0, window, cap);
             }
         for (int row = 0; row < rows; row++) {
             uint16_t *o = out + ((long)(t0 + row / group) * heads + head0 + row % group) * D;
@@ -454,9 +488,20 @@ static inline __attribute__((always_inline)) void attend_task(const int D, const
 #endif
 
 #ifdef HAVE_EXTEND
-/* Tiles a sequence of `len` keys takes in the buffers: whole steps of the longest step, the last ones zero. */
+/* Tiles a sequence of `len` keys takes up to its last key: whole steps of the longest step, the last ones zero. */
 static inline int seq_tiles(int len) {
     return (len + STEP_KEYS - 1) / STEP_KEYS * (STEP_KEYS / KEYS);
+}
+
+/* The earliest key the n new tokens of a sequence of `len` keys see (0 without a window). */
+static inline int first_key(int len, int n, int window) {
+    return window > 0 && len - n - window + 1 > 0 ? len - n - window + 1 : 0;
+}
+
+/* The tiles before the step holding that key, which the buffers leave out (whole steps, so that every routine's
+ * steps and pairs of tiles stay aligned). */
+static inline int skipped_tiles(int len, int n, int window) {
+    return first_key(len, n, window) / STEP_KEYS * (STEP_KEYS / KEYS);
 }
 
 struct task {
@@ -474,26 +519,36 @@ static int later_first(const void *a, const void *b) {
 int paged_extend(const uint16_t *q, long q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                  const int32_t *block_tables, int max_blocks, const int32_t *query_start_loc, const int32_t *seq_lens,
                  uint16_t *out, int batch, int heads, int kv_heads, int head_dim, int block_size, int min_query_len,
-                 int max_query_len, float scale, int num_threads) {
+                 int max_query_len, float scale, int window, float softcap, int num_threads) {
     if ((head_dim != 64 && head_dim != 128) || heads % kv_heads || heads / kv_heads > MAX_GROUP) return -1;
     const int D = head_dim, group = heads / kv_heads, row_stride = kv_heads * D;
     /* Where each served sequence's tiles start in the buffers (-1: not served), and how many tasks there are.
-     * The buffers hold, per served sequence and KV head, its keys' tiles and then, after all of them, the
-     * values' tiles in the same order. */
+     * The buffers hold, per served sequence and KV head, its keys' tiles from its first skipped tile on and then,
+     * after all of them, the values' tiles in the same order. */
     long *tile0 = malloc(sizeof(long) * batch);
-    if (!tile0) return -2;
+    int *skip = malloc(sizeof(int) * batch), *kept = malloc(sizeof(int) * batch); /* tiles left out, and in */
+    if (!tile0 || !skip || !kept) {
+        free(tile0);
+        free(skip);
+        free(kept);
+        return -2;
+    }
     int tasks = 0;
     long tiles = 0;
     for (int b = 0; b < batch; b++) {
         int n = query_start_loc[b + 1] - query_start_loc[b];
         tile0[b] = n >= min_query_len && n <= max_query_len && n > 0 ? tiles : -1;
         if (tile0[b] >= 0) {
-            tiles += seq_tiles(seq_lens[b]);
+            skip[b] = skipped_tiles(seq_lens[b], n, window);
+            kept[b] = seq_tiles(seq_lens[b]) - skip[b];
+            tiles += kept[b];
             tasks += kv_heads * ((n + QUERY_CHUNK - 1) / QUERY_CHUNK);
         }
     }
     if (tasks == 0) {
         free(tile0);
+        free(skip);
+        free(kept);
         return 0;
     }
     long tile_values = (long)D * KEYS; /* per tile and KV head, in keys and again in values */
@@ -513,6 +568,8 @@ int paged_extend(const uint16_t *q, long q_stride, const uint16_t *k_cache, cons
     char *strips = strip_bytes ? aligned_alloc(64, strip_bytes * num_threads) : 0; /* each thread's part */
     if (!keys || !list || (TASK_SCRATCH && !scratch) || (strip_bytes && !strips)) {
         free(tile0);
+        free(skip);
+        free(kept);
         free(keys);
         free(list);
         free(scratch);
@@ -535,11 +592,12 @@ int paged_extend(const uint16_t *q, long q_stride, const uint16_t *k_cache, cons
         for (long i = 0; i < tiles * kv_heads; i++) {
             long tile = i / kv_heads;
             int h = (int)(i % kv_heads), b = 0;
-            while (tile0[b] < 0 || tile0[b] + seq_tiles(seq_lens[b]) <= tile) b++;
-            long at_tile = tile0[b] * kv_heads + (long)h * seq_tiles(seq_lens[b]) + (tile - tile0[b]);
-            relayout_tile(k_cache, v_cache, block_tables + (long)b * max_blocks, seq_lens[b], block_size, row_stride,
-                          h * D, D, (int)(tile - tile0[b]), keys + at_tile * tile_values,
-                          values + at_tile * tile_values);
+            while (tile0[b] < 0 || tile0[b] + kept[b] <= tile) b++;
+            long at_tile = tile0[b] * kv_heads + (long)h * kept[b] + (tile - tile0[b]);
+            int n = query_start_loc[b + 1] - query_start_loc[b];
+            relayout_tile(k_cache, v_cache, block_tables + (long)b * max_blocks, first_key(seq_lens[b], n, window),
+                          seq_lens[b], block_size, row_stride, h * D, D, skip[b] + (int)(tile - tile0[b]),
+                          keys + at_tile * tile_values, values + at_tile * tile_values);
         }
         void *own = scratch ? scratch + TASK_SCRATCH * omp_get_thread_num() : 0;
 #ifdef HAVE_EXTEND_AMX
@@ -558,23 +616,25 @@ int paged_extend(const uint16_t *q, long q_stride, const uint16_t *k_cache, cons
             struct task task = list[i];
             int b = task.seq, n = query_start_loc[b + 1] - query_start_loc[b];
             int first = task.token - (seq_lens[b] - n), tokens = n - first < QUERY_CHUNK ? n - first : QUERY_CHUNK;
-            long at_tile = tile0[b] * kv_heads + (long)task.head * seq_tiles(seq_lens[b]);
+            long at_tile = tile0[b] * kv_heads + (long)task.head * kept[b];
             const uint16_t *rows = q + (long)(query_start_loc[b] + first) * q_stride;
             uint16_t *dst = out + (long)(query_start_loc[b] + first) * heads * D;
 #ifdef HAVE_EXTEND_AMX
             if (strip) {
                 attend_task_amx(D, rows, q_stride, group, heads, task.head * group, task.token, tokens,
-                                keys + at_tile * tile_values, values + at_tile * tile_values, scale, dst, qbuf,
-                                scores, probs, obuf);
+                                keys + at_tile * tile_values, values + at_tile * tile_values, skip[b], scale, window,
+                                softcap, dst, qbuf, scores, probs, obuf);
                 continue;
             }
 #endif
             if (D == 64)
                 attend_task(64, RT64, rows, q_stride, group, heads, task.head * group, task.token, tokens,
-                            keys + at_tile * tile_values, values + at_tile * tile_values, scale, dst, own);
+                            keys + at_tile * tile_values, values + at_tile * tile_values, skip[b], scale, window,
+                            softcap, dst, own);
             else
                 attend_task(128, RT128, rows, q_stride, group, heads, task.head * group, task.token, tokens,
-                            keys + at_tile * tile_values, values + at_tile * tile_values, scale, dst, own);
+                            keys + at_tile * tile_values, values + at_tile * tile_values, skip[b], scale, window,
+                            softcap, dst, own);
         }
 #ifdef HAVE_EXTEND_AMX
         if (strip) _tile_release(); /* a thread holding tile state costs every context switch 8 KB more */
@@ -582,6 +642,8 @@ int paged_extend(const uint16_t *q, long q_stride, const uint16_t *k_cache, cons
     }
     free(strips);
     free(tile0);
+    free(skip);
+    free(kept);
     free(keys);
     free(list);
     free(scratch);
@@ -592,7 +654,7 @@ int paged_extend(const uint16_t *q, long q_stride, const uint16_t *k_cache, cons
 int paged_extend(const uint16_t *q, long q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                  const int32_t *block_tables, int max_blocks, const int32_t *query_start_loc, const int32_t *seq_lens,
                  uint16_t *out, int batch, int heads, int kv_heads, int head_dim, int block_size, int min_query_len,
-                 int max_query_len, float scale, int num_threads) {
+                 int max_query_len, float scale, int window, float softcap, int num_threads) {
     return -1; /* neither AVX512-BF16 nor AVX2 here: the caller takes another path */
 }
 #endif
