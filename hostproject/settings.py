@@ -12,6 +12,8 @@ database, Redis and secret without editing files:
 ``LLMSERVE_DB_PATH``    SQLite database file when ``DATABASE_URL`` is unset (default: ``db.sqlite3`` here)
 ``LLMSERVE_REDIS_URL``  Redis of the request bus (also Celery's broker unless ``CELERY_BROKER_URL`` is set)
 ``LLMSERVE_OPEN_ACCESS`` ``1`` serves the API without API keys
+``LLMSERVE_CORS_ALLOWED_ORIGINS`` comma-separated origins (``https://app.example.com``) whose pages may call
+                        the API from the browser (CORS); default: none
 ``PROMETHEUS_MULTIPROC_DIR`` where the web processes keep their metrics (default: ``var/prometheus``; the run
                         command empties it at start)
 """
@@ -21,6 +23,7 @@ import secrets
 from pathlib import Path
 
 import dj_database_url
+from corsheaders.defaults import default_headers as default_cors_headers
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -52,12 +55,14 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "channels",
+    "corsheaders",  # CORS for browser apps on other origins (the API's views apply it too: llmserve.api)
     "drf_spectacular_sidecar",  # Swagger UI's files for the API docs page (/docs), served as static files
     "llmserve",
 ]
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    "corsheaders.middleware.CorsMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -131,6 +136,26 @@ LLMSERVE = {
     "REDIS_URL": REDIS_URL,
     "OPEN_ACCESS": os.environ.get("LLMSERVE_OPEN_ACCESS", "") == "1",
 }
+
+# Browser apps on these origins may call the API with an API key (no cookies: credentials stay disallowed).
+CORS_ALLOWED_ORIGINS = [o for o in os.environ.get("LLMSERVE_CORS_ALLOWED_ORIGINS", "").split(",") if o]
+CORS_ALLOW_HEADERS = (
+    *default_cors_headers,
+    # what OpenAI's JavaScript SDK sends
+    "openai-organization",
+    "openai-project",
+    "openai-beta",
+    "x-stainless-arch",
+    "x-stainless-async",
+    "x-stainless-lang",
+    "x-stainless-os",
+    "x-stainless-package-version",
+    "x-stainless-retry-count",
+    "x-stainless-runtime",
+    "x-stainless-runtime-version",
+    "x-stainless-timeout",
+)
+CORS_EXPOSE_HEADERS = ["retry-after"]
 
 CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
 

@@ -42,6 +42,11 @@ Keys (all optional; defaults in `DEFAULTS`):
                          it well under the broker's ``visibility_timeout`` so that only dead tasks are
                          redelivered.
 ``BULK_MAX_FILE_BYTES``  Largest file accepted by ``POST /v1/files``.
+``REJECT_UNKNOWN_FIELDS`` ``True`` refuses request fields the API does not know (400 ``unknown_parameter``).
+                         Default ``False``: they are ignored and logged once per name, as vLLM does.
+``MIN_PRIORITY``         The most urgent ``priority`` an API request may ask for (lower runs earlier; requests
+                         that give none run at 0, bulk jobs at ``BULK_PRIORITY``). Default 0: a client may
+                         only defer its own requests.
 """
 
 from __future__ import annotations
@@ -78,6 +83,8 @@ DEFAULTS: dict[str, Any] = {
     "BULK_RUNNER_TIMEOUT": 10.0,
     "BULK_SLICE_SECONDS": 60.0,
     "BULK_MAX_FILE_BYTES": 50 * 2**20,
+    "REJECT_UNKNOWN_FIELDS": False,
+    "MIN_PRIORITY": 0,
 }
 
 

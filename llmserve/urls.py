@@ -3,7 +3,7 @@
 from django.urls import include, path, re_path
 
 from llmserve import views
-from llmserve.api import completions, docs, health, metrics, models, responses_api, tokenize
+from llmserve.api import completions, docs, files, health, metrics, models, responses_api, tokenize, version
 
 app_name = "llmserve"
 
@@ -12,16 +12,32 @@ urlpatterns = [
     path("v1/chat/completions", completions.chat_completions, name="chat-completions"),
     path("v1/responses", responses_api.create, name="responses"),
     path("v1/responses/<str:response_id>", responses_api.detail, name="response-detail"),
+    path(
+        "v1/responses/<str:response_id>/input_items", responses_api.input_items, name="response-input-items"
+    ),
     path("v1/models", models.model_list, name="model-list"),
     path("v1/models/<path:model_id>", models.model_detail, name="model-detail"),
     path("health", health.health, name="health"),
+    path("ping", version.ping, name="ping"),
+    path("version", version.version, name="version"),
     path("metrics", metrics.metrics, name="metrics"),
     path("tokenize", tokenize.tokenize, name="tokenize"),
     path("detokenize", tokenize.detokenize, name="detokenize"),
     path("tokenizer_info", tokenize.tokenizer_info, name="tokenizer-info"),
     path("openapi.json", docs.openapi_json, name="openapi"),
     path("docs", docs.page, name="docs"),
-    path("", include("llmserve.bulk.urls")),  # the Batch API: /v1/files, /v1/batches
-    re_path(r"^v1/", docs.not_found, name="api-not-found"),  # OpenAI's JSON 404, not an HTML page
+    # The Files API: listing and deletion here, upload and retrieval in the Batch API's views.
+    path("v1/files", files.collection, name="file-collection"),
+    path("v1/files/<str:file_id>", files.item, name="file-item"),
+    path("", include("llmserve.bulk.urls")),  # the Batch API: /v1/files/{id}/content, /v1/batches
+    # OpenAI's JSON 404, not an HTML page, under /v1/ and on the paths vLLM serves that llmserve does not.
+    re_path(r"^v1/", docs.not_found, name="api-not-found"),
+    re_path(
+        r"^(?:v2/.*|score|rerank|pooling|classify|embeddings|invocations|server_info|is_sleeping|sleep|wake_up"
+        r"|reset_prefix_cache|get_tokenizer_info|start_profile|stop_profile|load_lora_adapter"
+        r"|unload_lora_adapter)/?$",
+        docs.not_found,
+        name="vllm-not-served",
+    ),
     path("chat/", views.chat, name="chat"),
 ]

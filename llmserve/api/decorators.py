@@ -2,6 +2,9 @@
 
 Method check, body size limit, JSON parsing, API-key authentication and the rate limit; and afterwards, any
 `APIError` or engine error turned into an OpenAI-style JSON response, so no path returns an HTML error page.
+Where django-cors-headers is installed, its middleware's rules (the host's ``CORS_*`` settings) also apply
+here: `llmserve.routing.APIRouter` serves the API without the host's middleware, so the views answer
+preflight requests and add the CORS headers themselves.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from django.apps import apps
 from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse
 from django.http.multipartparser import MultiPartParserError
@@ -39,6 +43,16 @@ def api_view(
     def decorate(view: View) -> View:
         @functools.wraps(view)
         async def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+            if _cors_installed():
+                from corsheaders.middleware import CorsMiddleware
+
+                async def respond(request: HttpRequest) -> HttpResponse:
+                    return await handle(request, *args, **kwargs)
+
+                return await CorsMiddleware(respond)(request)
+            return await handle(request, *args, **kwargs)
+
+        async def handle(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
             try:
                 if request.method not in methods:
                     raise errors.MethodNotAllowed(
@@ -62,6 +76,11 @@ def api_view(
         return csrf_exempt(wrapper)
 
     return decorate
+
+
+@functools.cache
+def _cors_installed() -> bool:
+    return apps.is_installed("corsheaders")
 
 
 def _respond(exc: errors.APIError, methods: tuple[str, ...]) -> HttpResponse:

@@ -67,6 +67,10 @@ class MethodNotAllowed(APIError):
     status, code = 405, "method_not_allowed"
 
 
+class LengthRequired(APIError):
+    status, code = 411, "length_required"
+
+
 class PayloadTooLarge(APIError):
     status, code = 413, "request_too_large"
 

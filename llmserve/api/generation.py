@@ -24,7 +24,7 @@ from inference_engine.bus.protocol import RequestDelta
 from inference_engine.errors import EngineError, ModelNotFoundError
 from llmserve import bus, lookups, metrics
 from llmserve.api import errors
-from llmserve.api.responses import Echo, ResponseBuilder
+from llmserve.api.responses import Echo, ResponseBuilder, bus_ids, likeliest
 from llmserve.api.schema import GenerationRequest
 
 log = logging.getLogger("llmserve.api")
@@ -60,13 +60,23 @@ async def submit(request: GenerationRequest) -> Submitted:
     client = bus.async_client()
     prompts = request.prompts if request.prompts is not None else [None]
 
-    async def one(prompt: str | list[int] | None) -> AsyncGenerationStream:
+    async def one(prompt: str | list[int] | None, request_id: str | None) -> AsyncGenerationStream:
         return await client.generate(
-            request.model, prompt, request.params, messages=request.messages, tools=request.tools
+            request.model,
+            prompt,
+            request.params,
+            messages=request.messages,
+            tools=request.tools,
+            chat_options=request.chat_options,
+            priority=request.priority,
+            request_id=request_id,
         )
 
     timers = [metrics.RequestTimer(request.model, received) for _ in prompts]
-    attempts = await asyncio.gather(*(one(p) for p in prompts), return_exceptions=True)
+    ids = bus_ids(request, len(prompts))
+    attempts = await asyncio.gather(
+        *(one(p, i) for p, i in zip(prompts, ids, strict=True)), return_exceptions=True
+    )
     streams = [a for a in attempts if isinstance(a, AsyncGenerationStream)]
     failed = next((a for a in attempts if isinstance(a, BaseException)), None)
     if failed is not None:
@@ -128,7 +138,10 @@ async def respond(request: GenerationRequest) -> HttpResponse:
             pass
     finally:
         await submitted.abort()  # a cancelled view (client gone) leaves nothing running
-    return JsonResponse(builder.full([await s.result() for s in submitted.streams]))
+    results = [await s.result() for s in submitted.streams]
+    if request.best_of is not None:
+        results = [likeliest(result, request.n) for result in results]
+    return JsonResponse(builder.full(results))
 
 
 async def _echoes(submitted: Submitted) -> list[Echo]:

@@ -17,6 +17,11 @@ from llmserve.api.decorators import api_view
 
 @api_view(("GET",), authenticated=False)
 async def health(request: HttpRequest, principal: None) -> HttpResponse:
+    return await check(request)
+
+
+async def check(request: HttpRequest) -> HttpResponse:
+    """The answer of /health (and of vLLM's /ping)."""
     wanted = request.GET.get("model")
     try:
         models = {m.name: {"replicas": len(m.replicas)} for m in await bus.async_client().list_models()}

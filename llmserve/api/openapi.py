@@ -150,6 +150,18 @@ class ResponseObject(Body):
     metadata: dict[str, str]
 
 
+class ItemList(Body):
+    object: Literal["list"]
+    data: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+class Version(Body):
+    version: str
+
+
 class Deleted(Body):
     id: str
     object: str
@@ -232,15 +244,27 @@ _ENDPOINTS: list[tuple[str, str, str, type[BaseModel] | None, type[BaseModel] | 
     ),
     ("/v1/responses/{response_id}", "get", "Retrieve a stored response", None, ResponseObject, True),
     ("/v1/responses/{response_id}", "delete", "Delete a stored response", None, Deleted, True),
+    (
+        "/v1/responses/{response_id}/input_items",
+        "get",
+        "A stored response's input items",
+        None,
+        ItemList,
+        True,
+    ),
     ("/v1/models", "get", "Models live engines serve", None, ModelList, True),
     ("/v1/models/{model_id}", "get", "One served model", None, ModelObject, True),
     ("/tokenize", "post", "Tokenize a prompt or messages", schema.TokenizeRequest, Tokenized, True),
     ("/detokenize", "post", "Text of token ids", schema.DetokenizeRequest, Detokenized, True),
     ("/tokenizer_info", "get", "The tokenizer's special tokens and chat template", None, TokenizerInfo, True),
     ("/health", "get", "Whether the bus answers, with each model's replicas", None, Health, False),
+    ("/ping", "get", "The same as /health (vLLM's name for SageMaker)", None, Health, False),
+    ("/version", "get", "The server's version", None, Version, False),
     ("/metrics", "get", "Prometheus metrics", None, None, False),
     ("/v1/files", "post", "Upload a batch input file", FileUpload, Body, True),
+    ("/v1/files", "get", "List the key's files", None, ItemList, True),
     ("/v1/files/{file_id}", "get", "A file's metadata", None, Body, True),
+    ("/v1/files/{file_id}", "delete", "Delete a file", None, Deleted, True),
     ("/v1/files/{file_id}/content", "get", "A file's content", None, None, True),
     ("/v1/batches", "post", "Create a batch", BatchCreateRequest, Body, True),
     ("/v1/batches", "get", "List batches", None, Body, True),
@@ -260,11 +284,29 @@ _ERROR_STATUSES = {
     "401": "Missing or unknown API key",
     "404": "Unknown model or object",
     "405": "Method not allowed",
+    "411": "Upload without Content-Length",
     "413": "Body too large",
     "415": "Body not JSON",
     "429": "Rate limited or engine overloaded",
     "500": "Server failure",
     "503": "No engine serves the model",
+}
+
+
+def _query(name: str, schema: dict[str, Any]) -> dict[str, Any]:
+    return {"name": name, "in": "query", "schema": schema}
+
+
+_PAGE = [
+    _query("limit", {"type": "integer", "minimum": 1}),
+    _query("after", {"type": "string"}),
+    _query("order", {"enum": ["asc", "desc"]}),
+]
+_QUERIES = {
+    ("/tokenizer_info", "get"): [_query("model", {"type": "string"})],
+    ("/v1/files", "get"): [*_PAGE, _query("purpose", {"type": "string"})],
+    ("/v1/responses/{response_id}/input_items", "get"): _PAGE,
+    ("/v1/batches", "get"): _PAGE[:2],
 }
 
 
@@ -286,8 +328,8 @@ def document() -> dict[str, Any]:
             operation["parameters"] = [
                 {"name": name, "in": "path", "required": True, "schema": {"type": "string"}} for name in names
             ]
-        if path == "/tokenizer_info":
-            operation["parameters"] = [{"name": "model", "in": "query", "schema": {"type": "string"}}]
+        if (path, method) in _QUERIES:
+            operation.setdefault("parameters", []).extend(_QUERIES[path, method])
         if request is not None:
             media = "multipart/form-data" if request is FileUpload else "application/json"
             operation["requestBody"] = {"required": True, "content": {media: {"schema": _ref(request)}}}

@@ -12,6 +12,7 @@ sends each call's id and name once its name is written, then its arguments as th
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from typing import Any
 
 from inference_engine.bus.client import GenerationResult
 from inference_engine.bus.protocol import CompletionDelta, RequestDelta, Usage
-from inference_engine.outputs import Logprob
+from inference_engine.outputs import CompletionOutput, Logprob
 from inference_engine.tool_parsers import (
     NamedToolCall,
     ParsedDelta,
@@ -45,6 +46,32 @@ class Echo:
 
     text: str
     first_token: str = ""
+
+
+def answer_id(request: GenerationRequest) -> str:
+    """The answer's id: the client's ``request_id`` (vLLM's field) after the kind's prefix, else random.
+    The engine requests carry it too (`bus_ids`), so it is also what an operator aborts."""
+    return _ID_PREFIX[request.kind] + (request.request_id or uuid.uuid4().hex)
+
+
+def bus_ids(request: GenerationRequest, prompts: int) -> list[str | None]:
+    """The engine requests' ids: the answer's, numbered when it has several prompts; None: the bus's own."""
+    if request.request_id is None:
+        return [None] * prompts
+    base = answer_id(request)
+    return [base] if prompts == 1 else [f"{base}-{i}" for i in range(prompts)]
+
+
+def likeliest(result: GenerationResult, n: int) -> GenerationResult:
+    """The `n` outputs of a ``best_of`` request with the highest mean logprob per token, renumbered."""
+
+    def mean_logprob(out: CompletionOutput) -> float:
+        chosen = [_chosen(p, t)[1].logprob for p, t in zip(out.logprobs or [], out.token_ids, strict=False)]
+        return sum(chosen) / len(chosen) if chosen else float("-inf")
+
+    best = sorted(result.outputs, key=mean_logprob, reverse=True)[:n]
+    outputs = [dataclasses.replace(out, index=i) for i, out in enumerate(best)]
+    return dataclasses.replace(result, outputs=outputs)
 
 
 def finish_reason(reason: str | None) -> str | None:
@@ -105,22 +132,29 @@ def _token_bytes(text: str) -> list[int]:
     return list(text.encode("utf-8"))
 
 
-def _chosen(position: dict[int, Logprob], token_id: int | None) -> Logprob:
-    """The sampled token's entry of one position (the engine puts it first)."""
+def _chosen(position: dict[int, Logprob], token_id: int | None) -> tuple[int, Logprob]:
+    """The sampled token's id and entry of one position (the engine puts it first)."""
     if token_id is not None and token_id in position:
-        return position[token_id]
-    return next(iter(position.values()))
+        return token_id, position[token_id]
+    return next(iter(position.items()))
 
 
-def _ranked(position: dict[int, Logprob]) -> list[Logprob]:
-    return sorted(position.values(), key=lambda lp: lp.rank if lp.rank is not None else 1 << 30)
+def _ranked(position: dict[int, Logprob]) -> list[tuple[int, Logprob]]:
+    return sorted(position.items(), key=lambda item: item[1].rank if item[1].rank is not None else 1 << 30)
 
 
-def chat_logprobs(logprobs: list[dict[int, Logprob]], token_ids: list[int], top: int) -> dict[str, Any]:
+def _name(token_id: int, lp: Logprob, as_ids: bool) -> str:
+    """How logprobs name a token: its text, or vLLM's ``token_id:{id}`` (``return_tokens_as_token_ids``)."""
+    return f"token_id:{token_id}" if as_ids else lp.decoded_token or ""
+
+
+def chat_logprobs(
+    logprobs: list[dict[int, Logprob]], token_ids: list[int], top: int, as_ids: bool = False
+) -> dict[str, Any]:
     content = []
     for i, position in enumerate(logprobs):
-        chosen = _chosen(position, token_ids[i] if i < len(token_ids) else None)
-        token = chosen.decoded_token or ""
+        chosen_id, chosen = _chosen(position, token_ids[i] if i < len(token_ids) else None)
+        token = _name(chosen_id, chosen, as_ids)
         content.append(
             {
                 "token": token,
@@ -128,11 +162,11 @@ def chat_logprobs(logprobs: list[dict[int, Logprob]], token_ids: list[int], top:
                 "bytes": _token_bytes(token),
                 "top_logprobs": [
                     {
-                        "token": lp.decoded_token or "",
+                        "token": _name(tid, lp, as_ids),
                         "logprob": lp.logprob,
-                        "bytes": _token_bytes(lp.decoded_token or ""),
+                        "bytes": _token_bytes(_name(tid, lp, as_ids)),
                     }
-                    for lp in _ranked(position)[:top]
+                    for tid, lp in _ranked(position)[:top]
                 ],
             }
         )
@@ -140,7 +174,12 @@ def chat_logprobs(logprobs: list[dict[int, Logprob]], token_ids: list[int], top:
 
 
 def completion_logprobs(
-    logprobs: Positions, token_ids: list[int], top: int, text_offset: int, first_token: str = ""
+    logprobs: Positions,
+    token_ids: list[int],
+    top: int,
+    text_offset: int,
+    first_token: str = "",
+    as_ids: bool = False,
 ) -> dict[str, Any]:
     """OpenAI's legacy logprobs. The first prompt token (echoed) has none: ``null``, its text `first_token`.
     The chosen token is among each position's ``top_logprobs`` besides the `top` most likely, as in vLLM."""
@@ -152,12 +191,12 @@ def completion_logprobs(
             token_logprobs.append(None)
             top_logprobs.append(None)
         else:
-            chosen = _chosen(position, token_ids[i] if i < len(token_ids) else None)
-            tokens.append(chosen.decoded_token or "")
+            chosen_id, chosen = _chosen(position, token_ids[i] if i < len(token_ids) else None)
+            tokens.append(_name(chosen_id, chosen, as_ids))
             token_logprobs.append(chosen.logprob)
             top_logprobs.append(
                 {tokens[-1]: chosen.logprob}
-                | {lp.decoded_token or "": lp.logprob for lp in _ranked(position)[:top]}
+                | {_name(tid, lp, as_ids): lp.logprob for tid, lp in _ranked(position)[:top]}
             )
         text_offset += len(tokens[-1])
     return {
@@ -166,6 +205,22 @@ def completion_logprobs(
         "top_logprobs": top_logprobs,
         "text_offset": offsets,
     }
+
+
+def prompt_logprobs_body(positions: Positions | None) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's ``prompt_logprobs``: per prompt token, ``null`` for the first, else each candidate's logprob,
+    rank and text under its token id."""
+    if positions is None:
+        return None
+    return [
+        None
+        if position is None
+        else {
+            str(tid): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for tid, lp in position.items()
+        }
+        for position in positions
+    ]
 
 
 def add_usage(usages: list[Usage | None]) -> Usage | None:
@@ -191,7 +246,7 @@ class ResponseBuilder:
         self.tool_format = tool_format
         self._parsers: dict[int, ToolParser] = {}  # a stream's, per choice
         self._called: set[int] = set()  # choices whose stream has made a call
-        self.id = _ID_PREFIX[request.kind] + uuid.uuid4().hex
+        self.id = answer_id(request)
         self.created = int(time.time())
         self.echoes = [Echo(echoes)] if isinstance(echoes, str) else echoes
         self._text_offsets: dict[int, int] = {}
@@ -207,7 +262,7 @@ class ResponseBuilder:
         }
 
     def _index(self, prompt: int, index: int) -> int:
-        return prompt * self.request.params.n + index
+        return prompt * self.request.n + index
 
     def _usage(self, usage: Usage | None) -> Usage | None:
         """What the client is told: a prompt-only echo generated nothing it will see."""
@@ -239,7 +294,8 @@ class ResponseBuilder:
             choice = self._index(prompt, index)
             offset = self._text_offsets.get(choice, 0)
             top = self.request.params.logprobs or 0
-            logprobs = completion_logprobs(positions, token_ids, top, offset, first_token)
+            as_ids = self.request.token_ids_as_tokens
+            logprobs = completion_logprobs(positions, token_ids, top, offset, first_token, as_ids)
             self._text_offsets[choice] = offset + sum(len(t) for t in logprobs["tokens"])
         return {
             "index": self._index(prompt, index),
@@ -257,12 +313,17 @@ class ResponseBuilder:
                     logprobs = None
                     if self.request.logprobs and out.logprobs is not None:
                         logprobs = chat_logprobs(
-                            out.logprobs, out.token_ids, self.request.params.logprobs or 0
+                            out.logprobs,
+                            out.token_ids,
+                            self.request.params.logprobs or 0,
+                            self.request.token_ids_as_tokens,
                         )
                     choice = self.request.tool_choice
                     content, calls = out.text, []
                     if choice is not None:
                         content, calls = tool_parser(choice, result.tool_parser).parse(out.text)
+                    if self.request.echo_text:
+                        content = self.request.echo_text + (content or "")
                     choices.append(
                         {
                             "index": out.index,
@@ -278,15 +339,20 @@ class ResponseBuilder:
                         prompt, out.index, out.text, out.logprobs, out.token_ids, out.finish_reason, echo
                     )
                 )
+                if self.request.prompt_logprobs:
+                    choices[-1]["prompt_logprobs"] = prompt_logprobs_body(result.prompt_logprobs)
         usage = add_usage([self._usage(r.usage) for r in results])
-        return {**self._head(False), "choices": choices, "usage": usage_body(usage)}
+        body = {**self._head(False), "choices": choices, "usage": usage_body(usage)}
+        if self.request.kind == "chat" and self.request.prompt_logprobs:
+            body["prompt_logprobs"] = prompt_logprobs_body(results[0].prompt_logprobs)
+        return body
 
     def first_chunks(self) -> list[dict[str, Any]]:
         """What a chat stream starts with before any token: the assistant role."""
         if self.request.kind != "chat":
             return []
-        role = {"role": "assistant", "content": ""}
-        n = self.request.params.n
+        role = {"role": "assistant", "content": self.request.echo_text}
+        n = self.request.n
         return [
             self._chunk(
                 [{"index": i, "delta": role, "logprobs": None, "finish_reason": None} for i in range(n)]
@@ -318,7 +384,9 @@ class ResponseBuilder:
     def _chat_delta(self, d: CompletionDelta) -> dict[str, Any] | None:
         logprobs = None
         if self.request.logprobs and d.token_ids and d.logprobs is not None:
-            logprobs = chat_logprobs(d.logprobs, d.token_ids, self.request.params.logprobs or 0)
+            logprobs = chat_logprobs(
+                d.logprobs, d.token_ids, self.request.params.logprobs or 0, self.request.token_ids_as_tokens
+            )
         choice = self.request.tool_choice
         parsed = ParsedDelta(content=d.text)
         if choice is not None:

@@ -1,4 +1,5 @@
-"""OpenAI's Responses API: ``POST /v1/responses``, ``GET`` / ``DELETE /v1/responses/{id}``.
+"""OpenAI's Responses API: ``POST /v1/responses``, ``GET`` / ``DELETE /v1/responses/{id}``,
+``GET /v1/responses/{id}/input_items``.
 
 A response is a chat completion underneath: its ``instructions``, the conversation of the response named by
 ``previous_response_id`` and its ``input`` become chat messages, validated and submitted by the chat path
@@ -317,3 +318,81 @@ async def detail(request: HttpRequest, principal: Principal, response_id: str) -
         await stored.adelete()
         return JsonResponse({"id": response_id, "object": "response.deleted", "deleted": True})
     return JsonResponse(stored.body)
+
+
+@api_view(("GET",))
+async def input_items(request: HttpRequest, principal: Principal, response_id: str) -> HttpResponse:
+    """The items the stored response answered (the conversation it continued and its input; instructions are
+    not items), newest first unless ``order=asc``, ``limit`` (1-100, default 20) at a time after ``after``."""
+    stored = await _stored(response_id, principal)
+    order = request.GET.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise errors.BadRequest('`order` must be "asc" or "desc".', param="order")
+    raw_limit = request.GET.get("limit", "20")
+    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= 100:
+        raise errors.BadRequest("`limit` must be an integer in [1, 100].", param="limit")
+    limit = int(raw_limit)
+    items = _as_items(stored.id, stored.conversation[:-1])
+    if order == "desc":
+        items.reverse()
+    after = request.GET.get("after")
+    if after:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise errors.NotFound(f"No input item with id `{after}` was found.", param="after")
+        items = items[ids.index(after) + 1 :]
+    data = items[:limit]
+    return JsonResponse(
+        {
+            "object": "list",
+            "data": data,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+            "has_more": len(items) > limit,
+        }
+    )
+
+
+def _as_items(response_id: str, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Chat messages as Responses API items, with ids that stay the same for every listing."""
+    stem = response_id.removeprefix("resp_")
+    items: list[dict[str, Any]] = []
+    for i, message in enumerate(messages):
+        role, content = message.get("role"), message.get("content") or ""
+        if role == "tool":
+            items.append(
+                {
+                    "type": "function_call_output",
+                    "id": f"fco_{stem}_{i}",
+                    "call_id": message.get("tool_call_id"),
+                    "output": content,
+                    "status": "completed",
+                }
+            )
+            continue
+        if content or not message.get("tool_calls"):
+            part = "output_text" if role == "assistant" else "input_text"
+            text: dict[str, Any] = {"type": part, "text": content}
+            if part == "output_text":
+                text["annotations"] = []
+            items.append(
+                {
+                    "type": "message",
+                    "id": f"msg_{stem}_{i}",
+                    "role": role,
+                    "content": [text],
+                    "status": "completed",
+                }
+            )
+        for call in message.get("tool_calls") or []:
+            items.append(
+                {
+                    "type": "function_call",
+                    "id": "fc_" + call["id"].removeprefix("call_"),
+                    "call_id": call["id"],
+                    "name": call["function"]["name"],
+                    "arguments": call["function"]["arguments"],
+                    "status": "completed",
+                }
+            )
+    return items

@@ -2,20 +2,34 @@
 `SamplingParams`).
 
 One set of models serves the REST views, the WebSocket chat consumer and the Batch API, and `/openapi.json`
-is generated from them. They are strict (JSON ``true`` is not a number, ``"5"`` is not an integer), refuse
-unknown fields (``extra="forbid"``) and non-finite numbers, and carry the ranges `SamplingParams` enforces
-again on the engine side. A refusal is a 400 whose ``param`` is the validation location in the body
+is generated from them. They accept what OpenAI's and vLLM's clients send: ``null`` for any optional field
+(its default), every documented field (those the engine cannot honour are accepted, ignored and logged),
+and fields they do not know, which vLLM ignores and logs too (once per name), or refuses with
+``LLMSERVE["REJECT_UNKNOWN_FIELDS"]``. Known fields are checked strictly (JSON ``true`` is not a number,
+``"5"`` is not an integer, no non-finite numbers), with the ranges `SamplingParams` enforces again on the
+engine side. A refusal is a 400 whose ``param`` is the validation location in the body
 (``messages[0].role``), so the engine only ever sees requests it can serve.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    model_validator,
+)
 
 from inference_engine.errors import InvalidRequestError
 from inference_engine.sampling_params import SamplingParams, StructuredOutputsParams
@@ -24,13 +38,78 @@ from inference_engine.tool_parsers import required_schema
 from llmserve import conf
 from llmserve.api.errors import BadRequest
 
+log = logging.getLogger("llmserve.api")
+
 Kind = Literal["chat", "completion"]
 
 MAX_LOGPROBS = 20
+MAX_BEST_OF = 20
+_IGNORED = "x-llmserve-ignored"
+
+
+def ignored(annotation_description: str = "") -> Any:
+    """A documented OpenAI field the engine cannot honour: accepted (checked as documented), then ignored
+    with a warning in the log, once per field name."""
+    note = "Accepted and ignored" + (f": {annotation_description}" if annotation_description else "") + "."
+    return Field(None, description=note, json_schema_extra={_IGNORED: True})
+
+
+def _null_allowed(schema: dict[str, Any], model: type[BaseModel]) -> None:
+    """Documents that every optional field takes ``null`` (for its default), as OpenAI's API does."""
+    for name, info in model.model_fields.items():
+        key = info.alias or name
+        prop = schema.get("properties", {}).get(key)
+        if prop is None or info.is_required() or info.default is None:
+            continue
+        meta = {k: prop.pop(k) for k in ("title", "description", "default") if k in prop}
+        schema["properties"][key] = {"anyOf": [prop, {"type": "null"}], **meta}
 
 
 class RequestModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    model_config = ConfigDict(
+        extra="ignore", strict=True, allow_inf_nan=False, json_schema_extra=_null_allowed
+    )
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _lenient(cls, data: Any, handler: ValidatorFunctionWrapHandler, info: ValidationInfo) -> Any:
+        """``null`` stands for a field's default; fields the model does not know, and documented ones it
+        ignores, are noted in the validation context (`validate` logs or refuses them)."""
+        if not isinstance(data, dict):
+            return handler(data)
+        known, defaults = _fields(cls)
+        data = {k: v for k, v in data.items() if not (v is None and k in defaults)}
+        model = handler(data)
+        context = info.context
+        if isinstance(context, Fields):
+            context.unknown.update(k for k in data if k not in known)
+            context.ignored.update(k for k in data if known.get(k) and data[k] is not None)
+        return model
+
+
+@functools.cache
+def _fields(model: type[BaseModel]) -> tuple[dict[str, bool], set[str]]:
+    """({name or alias: whether it is ignored}, the names of fields whose default is not None)."""
+    known: dict[str, bool] = {}
+    defaults: set[str] = set()
+    for name, info in model.model_fields.items():
+        extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+        for key in {name, info.alias or name}:
+            known[key] = bool(extra.get(_IGNORED))
+            if not info.is_required() and info.default is not None:
+                defaults.add(key)
+    return known, defaults
+
+
+@dataclass
+class Fields:
+    """The validation context: fields a request sent that its model does not know, or knows and ignores."""
+
+    unknown: set[str] = field(default_factory=set)
+    ignored: set[str] = field(default_factory=set)
+
+
+_logged: set[str] = set()
 
 
 def _stop_strings(value: str | list[str] | None) -> str | list[str] | None:
@@ -60,6 +139,8 @@ LogitBias = Annotated[
     Field(json_schema_extra={"additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}}),
 ]
 Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+RequestId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
+Metadata = Annotated[dict[str, str], Field(max_length=16)]
 
 
 class StreamOptions(RequestModel):
@@ -142,12 +223,30 @@ class SamplingFields(RequestModel):
     guided_choice: Choices | None = None
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
+    # vLLM's extras
+    prompt_logprobs: Logprobs | None = Field(
+        None, description="Logprobs of each prompt token (vLLM's `prompt_logprobs`); not with `stream`."
+    )
+    truncate_prompt_tokens: int | None = Field(
+        None, description="Keep only the prompt's last N tokens (-1: as many as the context holds)."
+    )
+    return_tokens_as_token_ids: bool | None = Field(
+        None, description='Logprobs name tokens as "token_id:{id}".'
+    )
+    priority: int = Field(
+        0, description="Lower runs earlier; above 0 waits behind interactive requests, as bulk jobs do."
+    )
+    request_id: RequestId | None = Field(None, description="The id's suffix of the answer (default: random).")
+    # OpenAI's fields that change nothing here
+    store: bool | None = ignored("nothing is stored for distillation or evals")
+    metadata: Metadata | None = ignored("nothing is stored")
+    service_tier: str | None = ignored("there is one tier")
+    prompt_cache_key: str | None = ignored("the prefix cache needs no hint")
+    safety_identifier: str | None = ignored()
 
     def sampling_values(self) -> dict[str, Any]:
         """The given `SamplingParams` fields; ``max_tokens`` always (None = the rest of the context)."""
-        names = (
-            set(SamplingFields.model_fields) - {"model", "stream", "stream_options", "user"} - _CONSTRAINTS
-        )
+        names = set(SamplingFields.model_fields) - _NOT_SAMPLING - _CONSTRAINTS
         values = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
         if "logit_bias" in values:
             values["logit_bias"] = {int(k): float(v) for k, v in values["logit_bias"].items()}
@@ -155,6 +254,20 @@ class SamplingFields(RequestModel):
         return values
 
 
+_NOT_SAMPLING = {
+    "model",
+    "stream",
+    "stream_options",
+    "user",
+    "return_tokens_as_token_ids",
+    "priority",
+    "request_id",
+    "store",
+    "metadata",
+    "service_tier",
+    "prompt_cache_key",
+    "safety_identifier",
+}
 _CONSTRAINTS = {
     "response_format",
     "structured_outputs",
@@ -172,6 +285,16 @@ class TextPart(RequestModel):
     text: str
 
 
+class RefusalPart(RequestModel):
+    """An assistant's refusal, as an answer sent back carries it."""
+
+    type: Literal["refusal"]
+    refusal: str
+
+
+ContentPart = Annotated[TextPart | RefusalPart, Field(discriminator="type")]
+
+
 class FunctionCall(RequestModel):
     name: FunctionName
     arguments: str = Field(description="JSON text.")
@@ -185,20 +308,30 @@ class ToolCall(RequestModel):
 
 class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | list[TextPart] | None = Field(
+    content: str | list[ContentPart] | None = Field(
         None, description="Text, or text parts: a text model reads text."
     )
     name: str | None = None
     tool_calls: list[ToolCall] | None = Field(None, description="An assistant's calls.")
     tool_call_id: str | None = Field(None, description="A tool message: the call it answers.")
     function_call: FunctionCall | None = Field(None, description="An assistant's call (legacy functions).")
+    # What an answer carries when a client sends it back (the openai SDK's `message.model_dump()`)
+    refusal: str | None = Field(None, description="An assistant's refusal: the template reads it as text.")
+    annotations: list[dict[str, Any]] | None = ignored()
+    audio: dict[str, Any] | None = ignored("no audio answers")
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        parts = self.content or []
+        text = "".join(p.text if isinstance(p, TextPart) else p.refusal for p in parts)
+        return text or (self.refusal or "")
 
     def as_engine_message(self) -> dict[str, Any]:
         """What the engine's chat template reads. ``developer`` is OpenAI's newer name for ``system``; the
         legacy ``function`` role and ``function_call`` are a tool's result and a tool call."""
-        content = (
-            self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
-        )
+        content = self.text
         role = {"developer": "system", "function": "tool"}.get(self.role, self.role)
         message: dict[str, Any] = {"role": role, "content": content}
         calls = self.tool_calls or (
@@ -241,16 +374,31 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: Logprobs | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    tools: Annotated[list[ChatTool], Field(min_length=1)] | None = None
+    tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description='Default: "auto" with tools.'
     )
     parallel_tool_calls: bool = True
-    functions: Annotated[list[FunctionDefinition], Field(min_length=1)] | None = Field(
-        None, description="Legacy form of tools."
-    )
+    functions: list[FunctionDefinition] | None = Field(None, description="Legacy form of tools.")
     function_call: Literal["none", "auto"] | NamedFunction | None = Field(
         None, description="Legacy form of tool_choice."
+    )
+    modalities: list[Literal["text", "audio"]] | None = Field(None, description='Only ["text"] here.')
+    reasoning_effort: str | None = ignored("the model does not reason before it answers")
+    verbosity: Literal["low", "medium", "high"] | None = ignored()
+    prediction: dict[str, Any] | None = ignored("no predicted outputs")
+    audio: dict[str, Any] | None = ignored("no audio answers")
+    web_search_options: dict[str, Any] | None = ignored("no web search")
+    # vLLM's extras
+    echo: bool = Field(
+        False, description="The answer starts with the last message's text if it is the assistant's."
+    )
+    add_generation_prompt: bool = Field(True, description="Open the assistant's turn after the messages.")
+    continue_final_message: bool = Field(
+        False, description="Continue the last (assistant) message instead of starting a new turn."
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="More variables for the chat template (e.g. `enable_thinking`)."
     )
 
 
@@ -268,6 +416,9 @@ class CompletionRequest(SamplingFields):
     logprobs: Logprobs | None = None
     echo: bool = False
     suffix: str | None = None
+    best_of: Annotated[int, Field(ge=1, le=MAX_BEST_OF)] | None = Field(
+        None, description="Generate this many and answer the `n` likeliest; not with `stream`."
+    )
 
 
 class ResponseInputText(RequestModel):
@@ -340,6 +491,13 @@ class ResponseText(RequestModel):
         Annotated[TextFormat | JsonObjectFormat | ResponseJsonSchemaFormat, Field(discriminator="type")]
         | None
     ) = None
+    verbosity: Literal["low", "medium", "high"] | None = ignored()
+
+
+class ResponseReasoning(RequestModel):
+    effort: str | None = ignored("the model does not reason before it answers")
+    summary: str | None = ignored()
+    generate_summary: str | None = ignored()
 
 
 ResponseInputItem = ResponseInputMessage | ResponseFunctionCall | ResponseFunctionCallOutput
@@ -362,8 +520,19 @@ class ResponsesRequest(RequestModel):
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     stream: bool = False
     store: bool = True
-    metadata: Annotated[dict[str, str], Field(max_length=16)] | None = None
+    metadata: Metadata | None = None
     user: str | None = None
+    include: list[str] | None = ignored("answers carry no extra data")
+    truncation: Literal["auto", "disabled"] | None = Field(
+        None, description="Default: disabled (a conversation longer than the context is refused)."
+    )
+    reasoning: ResponseReasoning | None = None
+    top_logprobs: Logprobs | None = ignored()
+    background: Literal[False] | None = Field(None, description="Only false: responses are made at once.")
+    max_tool_calls: Annotated[int, Field(ge=1)] | None = ignored()
+    service_tier: str | None = ignored("there is one tier")
+    prompt_cache_key: str | None = ignored("the prefix cache needs no hint")
+    safety_identifier: str | None = ignored()
 
     def input_messages(self) -> list[ChatMessage]:
         """The input as chat messages: function calls in a row become one assistant message's calls, their
@@ -437,11 +606,43 @@ Model = TypeVar("Model", bound=BaseModel)
 
 
 def validate(model: type[Model], body: dict[str, Any]) -> Model:
-    """`body` as `model`, or `BadRequest` about the first problem, its ``param`` the path into the body."""
+    """`body` as `model`, or `BadRequest` about the first problem, its ``param`` the path into the body.
+
+    Fields no model knows are refused with ``REJECT_UNKNOWN_FIELDS``, else ignored; they and the documented
+    fields that are ignored are logged once per name (per process)."""
+    fields = Fields()
     try:
-        return model.model_validate(body)
+        validated = model.model_validate(body, context=fields)
     except ValidationError as exc:
         raise _bad_request(exc, body) from None
+    if fields.unknown and conf.get("REJECT_UNKNOWN_FIELDS"):
+        param = _find_key(body, sorted(fields.unknown)) or sorted(fields.unknown)[0]
+        raise BadRequest(
+            f"Unrecognized request argument supplied: {param}.", param=param, code="unknown_parameter"
+        )
+    for what, names in (("unknown", fields.unknown), ("unsupported", fields.ignored)):
+        for name in sorted(names - _logged):
+            _logged.add(name)
+            log.warning("ignored the %s request field %r (logged once per field name)", what, name)
+    return validated
+
+
+def _find_key(value: Any, names: list[str], path: str = "") -> str | None:
+    """The path of the first of `names` found as a key in `value`, breadth first."""
+    if isinstance(value, dict):
+        for name in names:
+            if name in value:
+                return f"{path}.{name}" if path else name
+        children = [(f"{path}.{k}" if path else k, v) for k, v in value.items()]
+    elif isinstance(value, list):
+        children = [(f"{path}[{i}]", v) for i, v in enumerate(value)]
+    else:
+        return None
+    for child_path, child in children:
+        found = _find_key(child, names, child_path)
+        if found is not None:
+            return found
+    return None
 
 
 def _bad_request(exc: ValidationError, body: dict[str, Any]) -> BadRequest:
@@ -517,6 +718,14 @@ class GenerationRequest:
     echo: bool = False
     logprobs: bool = False  # whether the answer carries logprobs (their count is params.logprobs)
     prompt_only: bool = False  # max_tokens 0 with echo: the prompt's logprobs, nothing generated
+    chat_options: dict[str, Any] | None = None  # how the template renders `messages` (vLLM's fields)
+    echo_text: str = ""  # a chat answer's start: the final assistant message it continues (chat `echo`)
+    prompt_logprobs: bool = False  # the answer carries vLLM's `prompt_logprobs`
+    token_ids_as_tokens: bool = False  # logprobs name tokens "token_id:{id}"
+    best_of: int | None = None  # generated per prompt (params.n); the answer keeps the `n` likeliest
+    n: int = 1  # choices per prompt in the answer
+    priority: int = 0
+    request_id: str | None = None  # the client's: the answer's id ends with it, and it names the bus request
 
     @property
     def prompt(self) -> str | list[int] | None:
@@ -541,8 +750,25 @@ def _stream_fields(body: SamplingFields) -> bool:
     return body.stream_options is not None and body.stream_options.include_usage
 
 
+def _common(body: SamplingFields) -> dict[str, Any]:
+    """The GenerationRequest fields chat and completions share: vLLM's extras and the stream options."""
+    if body.prompt_logprobs is not None and body.stream:
+        raise BadRequest("`prompt_logprobs` is not available with `stream`.", param="prompt_logprobs")
+    floor = conf.get("MIN_PRIORITY")
+    if body.priority < floor:
+        raise BadRequest(f"`priority` must be at least {floor} here.", param="priority")
+    return {
+        "stream": body.stream,
+        "include_usage": _stream_fields(body),
+        "prompt_logprobs": body.prompt_logprobs is not None,
+        "token_ids_as_tokens": bool(body.return_tokens_as_token_ids),
+        "priority": body.priority,
+        "request_id": body.request_id,
+    }
+
+
 def chat_request(body: ChatCompletionRequest) -> GenerationRequest:
-    include_usage = _stream_fields(body)
+    common = _common(body)
     values = body.sampling_values()
     if body.max_completion_tokens is not None:
         values["max_tokens"] = body.max_completion_tokens
@@ -561,17 +787,47 @@ def chat_request(body: ChatCompletionRequest) -> GenerationRequest:
         constraint = tool_constraint
     values["structured_outputs"] = constraint
     _check_size(sum(len(m["content"]) for m in messages) + len(json.dumps(tools or [])), "messages")
+    params = _sampling_params(values)
     return GenerationRequest(
         "chat",
         body.model,
-        _sampling_params(values),
+        params,
         messages=messages,
         tools=tools,
         tool_choice=tool_choice,
-        stream=body.stream,
-        include_usage=include_usage,
         logprobs=body.logprobs,
+        chat_options=_chat_options(body),
+        echo_text=messages[-1]["content"] if body.echo and messages[-1]["role"] == "assistant" else "",
+        n=params.n,
+        **common,
     )
+
+
+def _chat_options(body: ChatCompletionRequest) -> dict[str, Any] | None:
+    """How the engine renders the messages, where it differs from a new assistant turn."""
+    if "audio" in (body.modalities or []):
+        raise BadRequest(
+            'This model answers in text only: `modalities` may only hold "text".', param="modalities"
+        )
+    if body.continue_final_message:
+        if body.add_generation_prompt:
+            raise BadRequest(
+                "`continue_final_message` continues the last message: set `add_generation_prompt` to false.",
+                param="continue_final_message",
+            )
+        if body.messages[-1].role != "assistant":
+            raise BadRequest(
+                "`continue_final_message` needs the last message to be the assistant's.",
+                param="continue_final_message",
+            )
+    options: dict[str, Any] = {}
+    if not body.add_generation_prompt:
+        options["add_generation_prompt"] = False
+    if body.continue_final_message:
+        options["continue_final_message"] = True
+    if body.chat_template_kwargs:
+        options["chat_template_kwargs"] = body.chat_template_kwargs
+    return options or None
 
 
 def _tools(
@@ -654,7 +910,7 @@ def _checked(values: dict[str, Any], param: str) -> StructuredOutputsParams:
 
 
 def completion_request(body: CompletionRequest, several_prompts: bool = False) -> GenerationRequest:
-    include_usage = _stream_fields(body)
+    common = _common(body)
     prompt = body.prompt
     prompts = prompt if isinstance(prompt, list) and isinstance(prompt[0], str | list) else [prompt]
     if len(prompts) > 1 and not several_prompts:
@@ -673,19 +929,29 @@ def completion_request(body: CompletionRequest, several_prompts: bool = False) -
         # As vLLM: generate one token to get the prompt scored, and show none of it.
         values["max_tokens"] = 1
     if body.echo and body.logprobs is not None:
-        values["prompt_logprobs"] = body.logprobs
+        values["prompt_logprobs"] = max(body.logprobs, body.prompt_logprobs or 0)
     values["logprobs"] = body.logprobs
+    n = body.n or 1
+    if body.best_of is not None:
+        if body.best_of < n:
+            raise BadRequest(f"`best_of` must be at least `n` ({n}).", param="best_of")
+        if body.stream and body.best_of > n:
+            raise BadRequest("`best_of` above `n` cannot be streamed.", param="best_of")
+        # The likeliest candidates are chosen by their tokens' logprobs.
+        values["n"] = body.best_of
+        values["logprobs"] = body.logprobs or 0
     _check_size(sum(len(p) for p in prompts), "prompt")
     return GenerationRequest(
         "completion",
         body.model,
         _sampling_params(values),
         prompts=prompts,
-        stream=body.stream,
-        include_usage=include_usage,
         echo=body.echo,
         logprobs=body.logprobs is not None,
         prompt_only=prompt_only,
+        best_of=body.best_of if body.best_of is not None and body.best_of > n else None,
+        n=n,
+        **common,
     )
 
 
@@ -702,4 +968,4 @@ def _sampling_params(values: dict[str, Any]) -> SamplingParams:
     try:
         return SamplingParams(**values)
     except InvalidRequestError as exc:
-        raise BadRequest(str(exc)) from None
+        raise BadRequest(str(exc), param=getattr(exc, "param", None)) from None

@@ -59,6 +59,12 @@ class Stack:
     daphne: subprocess.Popen | None = None
     port: int = 0
     api_key: str = ""
+    # A second local port whose pages the API's CORS settings let call it (tests/chat/test_browser_cors.py).
+    cors_port: int = field(default_factory=free_port)
+
+    @property
+    def cors_origin(self) -> str:
+        return f"http://127.0.0.1:{self.cors_port}"
 
     @property
     def base_url(self) -> str:
@@ -77,6 +83,7 @@ class Stack:
             "OMP_NUM_THREADS": "1",
             "TOKENIZERS_PARALLELISM": "false",
             "PROMETHEUS_MULTIPROC_DIR": str(self.workdir / "prometheus"),
+            "LLMSERVE_CORS_ALLOWED_ORIGINS": self.cors_origin,
         }
 
     def manage(self, *args: str) -> str:
