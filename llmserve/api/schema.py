@@ -610,6 +610,15 @@ def validate(model: type[Model], body: dict[str, Any]) -> Model:
 
     Fields no model knows are refused with ``REJECT_UNKNOWN_FIELDS``, else ignored; they and the documented
     fields that are ignored are logged once per name (per process)."""
+    # A batch line's body is checked when its request runs: the line's own error, the rest of the batch runs.
+    checked = {k: v for k, v in body.items() if k != "body"} if model is BatchRequestLine else body
+    where = lone_surrogate(checked)
+    if where is not None:
+        raise BadRequest(
+            f"`{where}` holds a lone surrogate (an unpaired \\uD800-\\uDFFF escape), which is not text.",
+            param=where,
+            code="invalid_value",
+        )
     fields = Fields()
     try:
         validated = model.model_validate(body, context=fields)
@@ -625,6 +634,29 @@ def validate(model: type[Model], body: dict[str, Any]) -> Model:
             _logged.add(name)
             log.warning("ignored the %s request field %r (logged once per field name)", what, name)
     return validated
+
+
+def lone_surrogate(value: Any) -> str | None:
+    """The path (``messages[0].content``) of the first string or key of a decoded JSON body that holds a lone
+    UTF-16 surrogate: JSON's escapes can carry one, but no UTF-8 text can, so the tokenizer, Redis and the
+    database would each fail on it. None when there is none."""
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode()
+            except UnicodeEncodeError:
+                return path or "body"
+        elif isinstance(item, dict):
+            for key, child in reversed(item.items()):
+                name = str(key).encode(errors="backslashreplace").decode()  # the path itself is text
+                child_path = f"{path}.{name}" if path else name
+                stack.append((child_path, child))
+                stack.append((child_path, key))
+        elif isinstance(item, list):
+            stack.extend((f"{path}[{i}]", child) for i, child in reversed(list(enumerate(item))))
+    return None
 
 
 def _find_key(value: Any, names: list[str], path: str = "") -> str | None:

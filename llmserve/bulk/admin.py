@@ -20,7 +20,6 @@ from django.http import (
     JsonResponse,
     StreamingHttpResponse,
 )
-from django.shortcuts import get_object_or_404
 from django.urls import path, reverse
 from django.utils.html import format_html
 from django.utils.translation import gettext_lazy as _
@@ -207,7 +206,10 @@ class BulkJobAdmin(admin.ModelAdmin):
         ]
 
     def _job(self, request: HttpRequest, object_id: str, change: bool = False) -> BulkJob:
-        job = get_object_or_404(BulkJob, pk=object_id)
+        # The admin's own lookup: an id that is no job's ("abc", out of the column's range) is a 404.
+        job = self.get_object(request, object_id)
+        if job is None:
+            raise Http404
         allowed = (
             self.has_change_permission(request, job) if change else self.has_view_permission(request, job)
         )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import itertools
 import json
+import re
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -67,9 +68,27 @@ def parse_input(content: bytes, endpoint: str) -> Iterator[tuple[str, str, dict[
             raise BadRequest(f"Line {number}: all requests of a batch must use the same model.", param=param)
         model = body["model"]
         seen.add(line.custom_id)
-        yield model, line.custom_id, body
+        yield model, line.custom_id, _storable(body)
     if model is None:
         raise BadRequest("The input file holds no requests.", param=param)
+
+
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _storable(body: dict[str, Any]) -> dict[str, Any] | services.RefusedItem:
+    """`body`, or where it holds a lone surrogate (no database stores one as text) the line's error, with the
+    body kept with U+FFFD in its place."""
+    where = schema.lone_surrogate(body)
+    if where is None:
+        return body
+    error = BadRequest(
+        f"`body.{where}` holds a lone surrogate (an unpaired \\uD800-\\uDFFF escape), which is not text.",
+        param=f"body.{where}",
+        code="invalid_value",
+    )
+    kept = json.loads(LONE_SURROGATE.sub("\ufffd", json.dumps(body, ensure_ascii=False)))
+    return services.RefusedItem(kept, {"status_code": error.status, **error.body()["error"]})
 
 
 def create_batch(

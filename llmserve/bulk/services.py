@@ -31,6 +31,29 @@ from llmserve.models import APIKey
 CREATE_BATCH = 1000  # items per INSERT when a job is created
 
 
+@dataclass
+class RefusedItem:
+    """An item known to be bad when its job is created (a Batch API line whose body cannot be stored as
+    sent): stored as failed with `error` (an OpenAI error object), so the rest of the job runs."""
+
+    input: dict[str, Any]
+    error: dict[str, Any]
+
+
+def _item(job: BulkJob, index: int, item: Any, custom_id: str, now: Any) -> BulkItem:
+    if isinstance(item, RefusedItem):
+        return BulkItem(
+            job=job,
+            index=index,
+            input=item.input,
+            custom_id=custom_id,
+            status=BulkItem.Status.FAILED,
+            error=item.error,
+            finished_at=now,
+        )
+    return BulkItem(job=job, index=index, input=item, custom_id=custom_id)
+
+
 def create_job(
     model: str,
     template: str,
@@ -66,14 +89,13 @@ def create_job(
             owner=owner,
             priority=conf.get("BULK_PRIORITY") if priority is None else priority,
         )
-        rows = (
-            BulkItem(job=job, index=i, input=item, custom_id=next(ids) if ids else "")
-            for i, item in enumerate(items)
-        )
+        now = timezone.now()
+        rows = (_item(job, i, item, next(ids) if ids else "", now) for i, item in enumerate(items))
         while batch := list(islice(rows, CREATE_BATCH)):
             BulkItem.objects.bulk_create(batch)
             job.total += len(batch)
-        BulkJob.objects.filter(pk=job.pk).update(total=job.total)
+            job.failed += sum(1 for row in batch if row.status == BulkItem.Status.FAILED)
+        BulkJob.objects.filter(pk=job.pk).update(total=job.total, failed=job.failed)
         if start:
             transaction.on_commit(lambda: start_job(job))
     return job

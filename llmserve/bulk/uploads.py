@@ -16,6 +16,8 @@ from typing import Any
 
 from django.core.files.uploadedfile import UploadedFile
 
+from llmserve.api.schema import lone_surrogate
+
 
 class UploadError(ValueError):
     pass
@@ -45,6 +47,9 @@ def _jsonl_items(lines: Iterable[str]) -> Iterator[dict[str, Any]]:
             raise UploadError(f"Line {number} is not valid JSON.") from None
         if not isinstance(item, dict):
             raise UploadError(f"Line {number} is not a JSON object.")
+        where = lone_surrogate(item)
+        if where is not None:
+            raise UploadError(f"Line {number}: `{where}` holds a lone surrogate (\\uD800-\\uDFFF), not text.")
         yield item
 
 
@@ -73,8 +78,18 @@ def jsonl_lines(results: Iterable[dict[str, Any]]) -> Iterator[bytes]:
         yield json.dumps(row, ensure_ascii=False).encode() + b"\n"
 
 
+FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
+def csv_cell(value: Any) -> Any:
+    """A text cell a spreadsheet would run as a formula (``=HYPERLINK(...)``, ``+1``, ``@SUM``...) starts
+    with an apostrophe, which spreadsheets show as plain text (OWASP's advice for CSV injection)."""
+    return f"'{value}" if isinstance(value, str) and value.startswith(FORMULA_START) else value
+
+
 def csv_lines(results: Iterable[dict[str, Any]]) -> Iterator[bytes]:
-    """One row per item; ``input`` and (Batch API items) ``response`` as JSON text."""
+    """One row per item; ``input`` and (Batch API items) ``response`` as JSON text; text cells escaped
+    with `csv_cell`."""
     buffer = io.StringIO()
     writer = csv.writer(buffer)
     writer.writerow((*RESULT_COLUMNS, "input", "response"))
@@ -83,11 +98,10 @@ def csv_lines(results: Iterable[dict[str, Any]]) -> Iterator[bytes]:
         buffer.seek(0)
         buffer.truncate()
         error = row["error"]["message"] if row["error"] else ""
-        writer.writerow(
-            (
-                *(error if column == "error" else row[column] for column in RESULT_COLUMNS),
-                json.dumps(row["input"], ensure_ascii=False),
-                json.dumps(row["response"], ensure_ascii=False) if row["response"] is not None else "",
-            )
+        cells = (
+            *(error if column == "error" else row[column] for column in RESULT_COLUMNS),
+            json.dumps(row["input"], ensure_ascii=False),
+            json.dumps(row["response"], ensure_ascii=False) if row["response"] is not None else "",
         )
+        writer.writerow([csv_cell(cell) for cell in cells])
         yield buffer.getvalue().encode()

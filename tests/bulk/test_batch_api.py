@@ -97,6 +97,33 @@ def test_openai_batch_end_to_end(bulk_stack: BulkStack, client: openai.OpenAI) -
     assert error["response"]["body"]["error"]["message"]
 
 
+def test_a_batch_line_with_a_lone_surrogate_fails_alone(bulk_stack: BulkStack, client: openai.OpenAI) -> None:
+    """``"\\ud800"`` is valid JSON but no text (PostgreSQL refuses to store it): that line's error is recorded
+    in the error file, naming the field, and the other lines run."""
+    good = batch_file(bulk_stack.model, 2).splitlines()[:2]
+    bad = (
+        '{"custom_id": "surrogate", "method": "POST", "url": "/v1/chat/completions", "body": {"model": '
+        f'"{bulk_stack.model}", "max_tokens": 4, "messages": [{{"role": "user", "content": "a\\ud800b"}}]}}}}'
+    ).encode()
+    uploaded = client.files.create(
+        file=("s.jsonl", io.BytesIO(b"\n".join([good[0], bad, good[1]]))), purpose="batch"
+    )
+    batch = client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    assert batch.request_counts.total == 3
+    batch = wait_until(
+        lambda: (b := client.batches.retrieve(batch.id)).status == "completed" and b,
+        180,
+        "the batch to complete",
+    )
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (2, 1)
+    (error,) = [json.loads(line) for line in client.files.content(batch.error_file_id).text.splitlines()]
+    assert error["custom_id"] == "surrogate" and error["response"]["status_code"] == 400
+    body = error["response"]["body"]["error"]
+    assert body["param"] == "body.messages[0].content" and "surrogate" in body["message"], body
+
+
 def test_openai_batch_cancel(bulk_stack: BulkStack, client: openai.OpenAI) -> None:
     uploaded = client.files.create(
         file=("many.jsonl", io.BytesIO(batch_file(bulk_stack.model, 60, 48))), purpose="batch"
