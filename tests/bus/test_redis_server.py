@@ -3,6 +3,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import redis
@@ -59,3 +60,33 @@ def test_redis_command_exits_when_its_server_dies():
         if wrapper.poll() is None:
             wrapper.kill()
             wrapper.wait()
+
+
+def test_the_working_directory_is_removed_on_stop_and_after_a_kill():
+    server = RedisServer().start()
+    folder = Path(server._dir)
+    assert folder.is_dir()
+    server.restart()  # stop removes it, start makes it again
+    assert folder.is_dir()
+    server.stop()
+    assert not folder.exists()
+
+    wrapper = subprocess.Popen(  # killed with its redis-server before it can clean up
+        [sys.executable, "-m", "inference_engine", "redis"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        wrapper.stdout.readline()
+        [left] = Path(tempfile.gettempdir()).glob(f"llmserve-redis-{wrapper.pid}-*")
+    finally:
+        wrapper.kill()
+        wrapper.wait()
+    children = [p for p in Path("/proc").iterdir() if p.name.isdigit()]
+    for proc in children:  # its redis-server outlives it: end it (we started it)
+        try:
+            if f"llmserve-redis-{wrapper.pid}-" in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                os.kill(int(proc.name), signal.SIGKILL)
+        except OSError:
+            pass
+    assert left.is_dir()
+    RedisServer()  # the next one sweeps what dead processes left
+    assert not left.exists()
