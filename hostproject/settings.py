@@ -16,10 +16,19 @@ database, Redis and secret without editing files:
                         the API from the browser (CORS); default: none
 ``PROMETHEUS_MULTIPROC_DIR`` where the web processes keep their metrics (default: ``var/prometheus``; the run
                         command empties it at start)
+``DJANGO_HTTPS``        ``1`` when users reach the site over HTTPS (directly or through a proxy): secure
+                        cookies, HSTS (``DJANGO_HSTS_SECONDS``, default a year; ``DJANGO_HSTS_PRELOAD=0``
+                        leaves out ``preload``), HTTP redirected to HTTPS except ``/health`` and ``/metrics``
+``DJANGO_SECURE_PROXY_SSL_HEADER`` ``1`` trusts ``X-Forwarded-Proto: https`` from the proxy in front (only
+                        behind a proxy that sets that header itself, overwriting what clients send)
+``LLMSERVE_LOGIN_FAILURE_LIMIT`` failed sign-ins (admin and chat) from one address for one user name before
+                        that pair is locked out (default 5), for ``LLMSERVE_LOGIN_COOLOFF_MINUTES``
+                        (default 15)
 """
 
 import os
 import secrets
+from datetime import timedelta
 from pathlib import Path
 
 import dj_database_url
@@ -57,6 +66,7 @@ INSTALLED_APPS = [
     "channels",
     "corsheaders",  # CORS for browser apps on other origins (the API's views apply it too: llmserve.api)
     "drf_spectacular_sidecar",  # Swagger UI's files for the API docs page (/docs), served as static files
+    "axes",  # login throttling
     "llmserve",
 ]
 
@@ -69,6 +79,12 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "axes.middleware.AxesMiddleware",  # turns a lockout into its 429 page
+]
+
+AUTHENTICATION_BACKENDS = [
+    "axes.backends.AxesStandaloneBackend",  # first: refuses a locked-out sign-in before any password check
+    "django.contrib.auth.backends.ModelBackend",
 ]
 
 ROOT_URLCONF = "hostproject.urls"
@@ -131,6 +147,34 @@ REDIS_URL = os.environ.get("LLMSERVE_REDIS_URL")
 # first imported, which is after the settings.
 os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", str(BASE_DIR / "var" / "prometheus"))
 Path(os.environ["PROMETHEUS_MULTIPROC_DIR"]).mkdir(parents=True, exist_ok=True)
+
+# Login throttling (django-axes): failed sign-ins are counted in Redis (a cache every web worker shares), or
+# without Redis in the database; a user name is locked out from the address that failed, so a stranger cannot
+# lock the admin out from elsewhere. A success resets the count.
+if REDIS_URL:
+    CACHES = {
+        "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+        "axes": {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": REDIS_URL},
+    }
+    AXES_HANDLER, AXES_CACHE = "axes.handlers.cache.AxesCacheHandler", "axes"
+else:
+    AXES_HANDLER = "axes.handlers.database.AxesDatabaseHandler"
+AXES_FAILURE_LIMIT = int(os.environ.get("LLMSERVE_LOGIN_FAILURE_LIMIT", "5"))
+AXES_COOLOFF_TIME = timedelta(minutes=float(os.environ.get("LLMSERVE_LOGIN_COOLOFF_MINUTES", "15")))
+AXES_LOCKOUT_PARAMETERS = [["ip_address", "username"]]
+AXES_RESET_ON_SUCCESS = True
+
+# Served over HTTPS (see the module docstring): what `manage.py check --deploy` asks for.
+HTTPS = os.environ.get("DJANGO_HTTPS", "") == "1"
+if os.environ.get("DJANGO_SECURE_PROXY_SSL_HEADER", "") == "1":
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+if HTTPS:
+    SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = True
+    SECURE_SSL_REDIRECT = True
+    SECURE_REDIRECT_EXEMPT = [r"^health$", r"^metrics$"]  # probes on the loopback speak plain HTTP
+    SECURE_HSTS_SECONDS = int(os.environ.get("DJANGO_HSTS_SECONDS", str(365 * 24 * 3600)))
+    SECURE_HSTS_INCLUDE_SUBDOMAINS = True
+    SECURE_HSTS_PRELOAD = os.environ.get("DJANGO_HSTS_PRELOAD", "1") == "1"
 
 LLMSERVE = {
     "REDIS_URL": REDIS_URL,
