@@ -127,6 +127,7 @@ class LLMEngine:
                 keep = self.max_model_len - min(params.max_tokens or 1, self.max_model_len - 1)
             text, token_ids = None, token_ids[-keep:]
         params = self._check_lengths(token_ids, params)
+        self._check_vocabulary(params)
         spec = params.structured_outputs
         grammar = self.structured.compile(spec) if spec is not None else None
         if grammar is not None and grammar.done() and grammar.exception() is not None:
@@ -168,6 +169,18 @@ class LLMEngine:
             seq = group.seqs[0]
             seq.grammar = self.structured.matcher(future.result())
             self.scheduler.add(seq)
+
+    def _check_vocabulary(self, params: SamplingParams) -> None:
+        """Token ids the request names must be the model's (the web tier cannot know its vocabulary)."""
+        vocab = self.tokenizer.vocab_size
+        for field in ("logit_bias", "allowed_token_ids"):
+            tokens = getattr(params, field, None) or ()
+            outside = sorted(t for t in tokens if not 0 <= int(t) < vocab)
+            if outside:
+                raise InvalidRequestError(
+                    f"{field}: token id {outside[0]} is not in this model's vocabulary [0, {vocab}).",
+                    param=field,
+                )
 
     def _check_lengths(self, token_ids: list[int], params: SamplingParams) -> SamplingParams:
         n = len(token_ids)
