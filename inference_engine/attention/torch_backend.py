@@ -50,8 +50,14 @@ def forward(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
+    """`window`: keys a query sees, itself included (0: all before it); `softcap`: attention logits go
+    through softcap * tanh(logit / softcap) (0: as they are)."""
     store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    if window or softcap:
+        return variant_reference(q, k_cache, v_cache, meta, scale, window, softcap)
     if meta.decode_only:
         return _decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
     starts = list(accumulate(meta.query_lens, initial=0))
@@ -202,6 +208,40 @@ def decode_reference(
     grouped = q.reshape(batch, kv_heads, heads // kv_heads, dim)
     out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=bias, scale=scale)
     return out.reshape(batch, heads, dim)
+
+
+def variant_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int,
+    softcap: float,
+) -> torch.Tensor:
+    """Causal attention with a sliding window and/or logit soft-capping, in fp32 PyTorch ops, sequence by
+    sequence: the path of kernels that take neither, and their reference. Only keys inside a window are
+    gathered."""
+    out = torch.empty_like(q)
+    heads, kv_heads = q.shape[1], k_cache.shape[2]
+    starts = list(accumulate(meta.query_lens, initial=0))
+    for b, (q_len, ctx_len) in enumerate(zip(meta.query_lens, meta.context_lens, strict=True)):
+        total = ctx_len + q_len
+        first = max(0, ctx_len - window + 1) if window else 0
+        keys, values = _gather(k_cache, v_cache, meta.block_tables[b], total)
+        keys = keys[first:].float().transpose(0, 1).repeat_interleave(heads // kv_heads, 0)
+        values = values[first:].float().transpose(0, 1).repeat_interleave(heads // kv_heads, 0)
+        pos_q = torch.arange(ctx_len, total, device=q.device).unsqueeze(1)
+        pos_k = torch.arange(first, total, device=q.device).unsqueeze(0)
+        allowed = pos_k <= pos_q
+        if window:
+            allowed &= pos_k > pos_q - window
+        scores = q[starts[b] : starts[b + 1]].float().transpose(0, 1) @ keys.transpose(1, 2) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        probs = scores.masked_fill_(~allowed, float("-inf")).softmax(-1)
+        out[starts[b] : starts[b + 1]] = (probs @ values).transpose(0, 1).to(q.dtype)
+    return out
 
 
 def _sdpa(q, k, v, mask, causal: bool, scale: float) -> torch.Tensor:

@@ -30,7 +30,9 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 @dataclass
 class ModelConfig:
-    """The architecture facts the Llama-family model code needs, whatever file they came from."""
+    """The architecture facts the model code needs, whatever file they came from. `architecture` is the
+    Hugging Face class name (`inference_engine.models.MODEL_CLASSES` keys); the fields after `eos_token_ids`
+    are the variants families switch on, each at the value that means "off" by default."""
 
     architecture: str
     vocab_size: int
@@ -47,6 +49,23 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     eos_token_ids: list[int] = field(default_factory=list)
+    hidden_act: str = "silu"
+    partial_rotary_factor: float = 1.0
+    sliding_window: int = 0  # keys a query of a sliding layer sees, itself included (0: no window)
+    layer_types: list[str] | None = None  # "sliding_attention" | "full_attention" (None: all alike)
+    local_rope_theta: float | None = None  # the sliding layers' own rope base (Gemma 3)
+    query_pre_attn_scalar: float | None = None  # attention scale 1/sqrt(this) instead of 1/sqrt(head_dim)
+    attn_logit_softcapping: float = 0.0
+    final_logit_softcapping: float = 0.0
+    embedding_multiplier: float = 1.0  # Granite's multipliers
+    attention_multiplier: float | None = None
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.sliding_window) and (
+            self.layer_types is None or self.layer_types[layer] == "sliding_attention"
+        )
 
     @property
     def layer_linear_parameters(self) -> int:

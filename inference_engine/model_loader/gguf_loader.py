@@ -26,7 +26,7 @@ DENSE_TYPES = (
     gguf.GGMLQuantizationType.BF16,
 )
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 # GGUF tensor name -> Hugging Face name, with {i} for the layer index.
 _NAMES = {
@@ -66,7 +66,7 @@ def load(path: Path, quantization: str | None = None) -> LoadedModel:
     arch = meta["general.architecture"]
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
-            f"GGUF architecture {arch!r} is not supported (supported: {SUPPORTED_ARCHITECTURES})."
+            f"GGUF architecture {arch!r} is not supported (supported: {sorted(SUPPORTED_ARCHITECTURES)})."
         )
     tokenizer = _tokenizer(reader)
     config = _config(reader, meta, arch, tokenizer)
@@ -86,7 +86,7 @@ def _config(reader: gguf_file.GGUFFile, meta: dict, arch: str, tokenizer: Tokeni
     if get("rope.scaling.type") == "linear":
         rope_scaling = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
     return ModelConfig(
-        architecture=arch,
+        architecture=SUPPORTED_ARCHITECTURES[arch],
         vocab_size=get("vocab_size") or tokenizer.vocab_size,
         hidden_size=hidden,
         intermediate_size=get("feed_forward_length"),
@@ -128,9 +128,9 @@ def _weights(
             continue
         weight = _tensor(tensor, keep_quantized and name.endswith(".weight"))
         heads = None
-        if config.architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+        if config.architecture == "LlamaForCausalLM" and name.endswith(("q_proj.weight", "q_proj.bias")):
             heads = config.num_attention_heads
-        elif config.architecture == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+        elif config.architecture == "LlamaForCausalLM" and name.endswith(("k_proj.weight", "k_proj.bias")):
             heads = config.num_key_value_heads
         if heads is not None:
             order = _unpermute_order(weight.shape[0], heads)

@@ -1,12 +1,15 @@
-"""Llama-family decoder: GQA attention over the paged KV cache, RoPE, SwiGLU MLP, RMSNorm.
+"""Llama-family decoder: GQA attention over the paged KV cache, RoPE, gated MLP, RMSNorm.
 
-Covers Llama 2/3, SmolLM, Mistral (no sliding window) and Qwen2 (qkv bias) through ModelConfig flags.
-Inputs are flattened: all tokens of all sequences in the step form one [num_tokens] batch.
+The shared layers every family builds on. Llama 2/3, SmolLM and Mistral are this class as it stands; the
+variants other families switch on are read from `ModelConfig` here (sliding windows, attention and logit
+soft-capping, rotary variants, attention scales, multipliers) or set by the family's own file as class
+attributes (`qk_norm`, the decoder layer class, checkpoint conversions). Inputs are flattened: all tokens
+of all sequences in the step form one [num_tokens] batch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -32,9 +35,16 @@ from kernels.cpu.linear import NATIVE_STEP_ROWS
 if TYPE_CHECKING:
     from kernels.cpu.decoder import Extend, NativeDecoder
 
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu_tanh")
+
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend) -> None:
+    """`qk_norm`: None, "head" (an RMSNorm over each head's query and key, Qwen3 / Gemma 3) or "whole" (one
+    over the whole query and key projections, OLMo 2), applied before the rotation."""
+
+    def __init__(
+        self, config: ModelConfig, layer: int, rotary: RotaryEmbedding, backend, qk_norm: str | None = None
+    ) -> None:
         super().__init__()
         self.head_dim = config.head_dim
         self.qkv_proj = QKVParallelLinear(
@@ -48,30 +58,61 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(config.num_attention_heads * config.head_dim, config.hidden_size)
         self.rotary = rotary
         self.backend = backend
-        self.scale = config.head_dim**-0.5
+        self.scale = config.attention_multiplier or (config.query_pre_attn_scalar or config.head_dim) ** -0.5
+        self.window = config.sliding_window if config.is_sliding(layer) else 0
+        self.softcap = config.attn_logit_softcapping
+        self.qk_norm = qk_norm
+        if qk_norm == "head":
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        elif qk_norm == "whole":
+            if self.qkv_proj.tp_size > 1:
+                raise ValueError("a q/k norm over whole projections is not supported with tensor parallelism")
+            self.q_norm = RMSNorm(self.num_heads * config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.num_kv_heads * config.head_dim, config.rms_norm_eps)
         # Set by the model runner once the KV cache is allocated: [blocks, block_size, kv_heads, head_dim].
         self.k_cache = self.v_cache = torch.empty(0)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        # Queries and keys are rotated in one pass: fewer small ops per layer is what a CPU step pays for.
-        qk = qkv[:, : q_size + kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.qk_norm is None:
+            # Queries and keys are rotated in one pass: fewer small ops per layer is what a CPU step pays for.
+            qk = qkv[:, : q_size + kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+        else:
+            qk = self._normed_qk(qkv[:, :q_size], qkv[:, q_size : q_size + kv_size])
         q, k = self.rotary(positions, qk).split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, q_size + kv_size :].view(-1, self.num_kv_heads, self.head_dim)
-        out = self.backend(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        out = self.backend(
+            q, k, v, self.k_cache, self.v_cache, meta, self.scale, window=self.window, softcap=self.softcap
+        )
         return self.o_proj(out.reshape(-1, q_size))
+
+    def _normed_qk(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        tokens = q.shape[0]
+        if self.qk_norm == "head":
+            q = self.q_norm(q.reshape(-1, self.head_dim))
+            k = self.k_norm(k.reshape(-1, self.head_dim))
+        else:
+            q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
+        return torch.cat([q.view(tokens, -1, self.head_dim), k.view(tokens, -1, self.head_dim)], dim=1)
 
 
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
+        if config.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (supported: {ACTIVATIONS}).")
+        self.gelu = config.hidden_act != "silu"
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size)
         self.triton = triton_fused() if torch.get_default_device().type == "cuda" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if self.gelu:
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.down_proj(F.gelu(gate, approximate="tanh").mul_(up))
         if self.triton is not None:
             return self.down_proj(self.triton.silu_and_mul(gate_up))
         act = cpu_fused.silu_mul(gate_up)  # bf16 on the CPU, as the native decoder computes it
@@ -82,9 +123,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend) -> None:
+    """Pre-norm layer. The residual stream travels as (hidden, residual): the next norm adds them, fused."""
+
+    def __init__(
+        self, config: ModelConfig, layer: int, rotary: RotaryEmbedding, backend, qk_norm: str | None
+    ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, rotary, backend)
+        self.self_attn = LlamaAttention(config, layer, rotary, backend, qk_norm)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -101,23 +146,44 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, backend) -> None:
+    def __init__(self, config: ModelConfig, backend, layer_cls: type[nn.Module], qk_norm: str | None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        rotary = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
-        )
+        dim, positions = int(config.head_dim * config.partial_rotary_factor), config.max_position_embeddings
+        rotary = RotaryEmbedding(config.head_dim, positions, config.rope_theta, config.rope_scaling, dim)
+        local = rotary
+        if config.local_rope_theta is not None:  # the sliding layers' own base, unscaled (Gemma 3)
+            local = RotaryEmbedding(config.head_dim, positions, config.local_rope_theta, None, dim)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, rotary, backend) for _ in range(config.num_hidden_layers)
+            layer_cls(config, i, local if config.is_sliding(i) else rotary, backend, qk_norm)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.config = config
+        self.embed_scale = 1.0  # set by families that scale their embeddings
         self.native: NativeDecoder | None = None
+
+    def native_variants(self) -> list[str]:
+        """What this model does that the native decoder does not (it then runs layer by layer)."""
+        attn, config = self.layers[0].self_attn, self.config
+        variants = {
+            "decoder layer": type(self.layers[0]) is not LlamaDecoderLayer,
+            "q/k norm": attn.qk_norm is not None,
+            "sliding window": any(layer.self_attn.window for layer in self.layers),
+            "attention soft-capping": bool(attn.softcap),
+            "attention scale": attn.scale != attn.head_dim**-0.5,
+            "GELU": self.layers[0].mlp.gelu,
+            "partial rotary": attn.rotary.partial,
+            "rotary per layer": any(layer.self_attn.rotary is not attn.rotary for layer in self.layers),
+            "embedding scale": self.embed_scale != 1.0,
+            "residual multiplier": config.residual_multiplier != 1.0,
+        }
+        return [name for name, on in variants.items() if on]
 
     def use_native_decoder(self) -> bool:
         """Runs steps of up to a few hundred tokens through `kernels.cpu.decoder` from now on, where this
-        model can (bf16 on the CPU, unsharded, every linear layer one weight on a native kernel); False
-        otherwise."""
+        model can (bf16 on the CPU, unsharded, every linear layer one weight on a native kernel, no variant
+        the decoder lacks); False otherwise."""
         from kernels.cpu import available, decoder
 
         attn = self.layers[0].self_attn
@@ -137,6 +203,7 @@ class LlamaModel(nn.Module):
             or attn.k_cache.device.type != "cpu"
             or attn.k_cache.dtype != torch.bfloat16
             or attn.qkv_proj.tp_size != 1
+            or self.native_variants()
             or not available()
         ):
             return False
@@ -178,10 +245,16 @@ class LlamaModel(nn.Module):
             return False
         return Extend(meta.query_start_loc, meta.seq_lens, meta.block_tables, NATIVE_QUERY_MIN + 1, limit)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        if self.embed_scale != 1.0:  # in the activations' dtype, as transformers multiplies
+            hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+        return hidden
+
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
+        hidden, residual = self.embed(input_ids), None
         if self.native is not None and len(input_ids) <= self.native.max_rows:
             extend = self._native_extend(meta)
             if extend is not False:
@@ -204,28 +277,47 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+    decoder_layer: ClassVar[type[nn.Module]] = LlamaDecoderLayer
+    qk_norm: ClassVar[str | None] = None
+    attention_bias: ClassVar[bool] = False  # where the config does not say
 
     def __init__(self, config: ModelConfig, backend) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, backend)
+        self.model = LlamaModel(config, backend, self.decoder_layer, self.qk_norm)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens)
+
+    @staticmethod
+    def default_layer_types(raw: dict) -> list[str] | None:
+        """Layer types of a config.json that does not list them (older transformers wrote none): None
+        lets `sliding_window`, where set, apply to every layer."""
+        return None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         return self.model(input_ids, positions, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        logits = self.lm_head(hidden)
+        if logits is None:
+            return None
+        if self.config.logits_scaling != 1.0:
+            logits = logits / self.config.logits_scaling
+        cap = self.config.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def use_native_decoder(self) -> bool:
-        """`LlamaModel.use_native_decoder`, and `generate` too where the head and embeddings allow."""
+        """`LlamaModel.use_native_decoder`, and `generate` too where the head, its logits and the
+        embeddings allow."""
         if not self.model.use_native_decoder():
             return False
-        if self.lm_head.tp_size == 1:
+        plain_logits = self.config.logits_scaling == 1.0 and not self.config.final_logit_softcapping
+        if self.lm_head.tp_size == 1 and plain_logits:
             head = self.lm_head.tied_to or self.lm_head
             self.model.native.attach_head(head.packed, self.model.embed_tokens.packed)
         return True
@@ -248,8 +340,13 @@ class LlamaForCausalLM(nn.Module):
         positions, slots, lens [steps, m]; tables [m, max_blocks]; `sampling` as `NativeDecoder.generate`
         takes it. Returns the tokens [steps, m], those `compute_logits` and the sampler would give step by
         step."""
-        hidden = self.model.embed_tokens(input_ids).contiguous()
+        hidden = self.model.embed(input_ids).contiguous()
         return self.model.native.generate(hidden, positions, slots, tables, lens, sampling)
+
+    def checkpoint_weights(self, weights: Iterable[tuple[str, Weight]]) -> Iterator[tuple[str, Weight]]:
+        """The checkpoint's tensors as this class names and holds them; families whose checkpoints store
+        something otherwise (fused projections, offset norms) convert it here."""
+        return iter(weights)
 
     def load_weights(self, weights: Iterable[tuple[str, Weight]]) -> None:
         """Loads checkpoint tensors (Hugging Face names; quantized linear weights as `kernels.quantized`
@@ -257,7 +354,7 @@ class LlamaForCausalLM(nn.Module):
         `finalize`; plain parameters are checked here."""
         params = dict(self.named_parameters())
         loaded = set()
-        for name, tensor in weights:
+        for name, tensor in self.checkpoint_weights(weights):
             if self.config.tie_word_embeddings and name == "lm_head.weight":
                 continue
             shard_id = None
