@@ -42,6 +42,8 @@ Keys (all optional; defaults in `DEFAULTS`):
                          it well under the broker's ``visibility_timeout`` so that only dead tasks are
                          redelivered.
 ``BULK_MAX_FILE_BYTES``  Largest file accepted by ``POST /v1/files``.
+``WS_CONNECTIONS_PER_KEY`` Open chat WebSockets per API key (or signed-in user, or address), across every web
+                         worker (counted in the bus's Redis); the next is refused with close code 4429.
 ``REJECT_UNKNOWN_FIELDS`` ``True`` refuses request fields the API does not know (400 ``unknown_parameter``).
                          Default ``False``: they are ignored and logged once per name, as vLLM does.
 ``MIN_PRIORITY``         The most urgent ``priority`` an API request may ask for (lower runs earlier; requests
@@ -83,6 +85,7 @@ DEFAULTS: dict[str, Any] = {
     "BULK_RUNNER_TIMEOUT": 10.0,
     "BULK_SLICE_SECONDS": 60.0,
     "BULK_MAX_FILE_BYTES": 50 * 2**20,
+    "WS_CONNECTIONS_PER_KEY": 32,
     "REJECT_UNKNOWN_FIELDS": False,
     "MIN_PRIORITY": 0,
 }

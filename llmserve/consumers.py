@@ -23,14 +23,21 @@ a browser page (`llmserve.routing.SameOriginValidator` checks the header of thos
 API key. Every chat message counts against the caller's rate limit,
 as every REST request does. The server always answers with the subprotocol ``llmserve.chat``, never echoing
 a key.
+
+A caller holds at most ``LLMSERVE["WS_CONNECTIONS_PER_KEY"]`` sockets at once, across every web worker
+(slots in the bus's Redis that expire unless the connection renews them, so a killed worker's slots free
+themselves); the next is told so and closed with 4429. A message over ``MAX_BODY_BYTES`` gets an error and
+closes the socket with 4413.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +67,9 @@ log = logging.getLogger("llmserve.chat")
 SUBPROTOCOL = "llmserve.chat"
 KEY_SUBPROTOCOL = "llmserve.key."
 CLOSE_UNAUTHORIZED = 4401  # application close codes live in 4000-4999
+CLOSE_TOO_MANY = 4429  # the caller already holds its quota of sockets
+SLOT_SECONDS = 120.0  # a connection's slot lapses this long after its last renewal
+CLOSE_TOO_BIG = 4413  # a message over the size limit (as HTTP's 413; 1009 is reserved to the transport)
 
 
 class ChatError(Exception):
@@ -123,6 +133,8 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
     principal: Principal | None = None
     answer: Answer | None = None
     task: asyncio.Task[None] | None = None
+    slot: tuple[str, str] | None = None  # (the caller's slot set, this connection's member), while held
+    renewer: asyncio.Task[None] | None = None
 
     async def connect(self) -> None:
         # Accept before authenticating so that a refusal can say why (a refused handshake reaches the browser
@@ -134,6 +146,13 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
             await self._send_error(ChatError("login_required", str(exc)))
             await self.close(code=CLOSE_UNAUTHORIZED)
             return
+        if not await self._hold_slot(self.principal):
+            limit = conf.get("WS_CONNECTIONS_PER_KEY")
+            await self._send_error(
+                ChatError("too_many_connections", f"At most {limit} chat connections are open at once.")
+            )
+            await self.close(code=CLOSE_TOO_MANY)
+            return
         await self.send_json(
             {
                 "type": "ready",
@@ -144,6 +163,32 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
 
     async def disconnect(self, code: int) -> None:
         await self._cancel()
+        if self.renewer is not None:
+            self.renewer.cancel()
+        if self.slot is not None:
+            with contextlib.suppress(EngineError):
+                await bus.async_client().release(*self.slot)
+
+    async def _hold_slot(self, principal: Principal) -> bool:
+        """Take one of the caller's connection slots (see the module docstring). With the bus down no slot
+        can be counted; the socket stays open and its chat messages get the bus's error."""
+        self.slot = (f"ws:{principal.identity}", uuid.uuid4().hex)
+        limit = int(conf.get("WS_CONNECTIONS_PER_KEY"))
+        try:
+            held = await bus.async_client().hold(*self.slot, limit, SLOT_SECONDS)
+        except EngineError:
+            return True
+        if held:
+            self.renewer = asyncio.create_task(self._renew(limit))
+        else:
+            self.slot = None
+        return held
+
+    async def _renew(self, limit: int) -> None:
+        while True:
+            await asyncio.sleep(SLOT_SECONDS / 3)
+            with contextlib.suppress(EngineError):
+                await bus.async_client().hold(*self.slot, limit, SLOT_SECONDS)
 
     async def receive(
         self, text_data: str | None = None, bytes_data: bytes | None = None, **kwargs: Any
@@ -155,9 +200,11 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
             await self._send_error(ChatError("invalid_message", "Send JSON text frames, not binary ones."))
             return
         if len(text_data) > conf.get("MAX_BODY_BYTES"):
+            # Said, then closed: a client that sends this much is not following the protocol.
             await self._send_error(
                 ChatError("request_too_large", f"Messages are limited to {conf.get('MAX_BODY_BYTES')} bytes.")
             )
+            await self.close(code=CLOSE_TOO_BIG)
             return
         try:
             content = json.loads(text_data)

@@ -142,6 +142,20 @@ return 'ok'
 """
 
 
+# One slot of a bounded set (the WebSocket connections of one API key): members expire unless renewed, so a
+# dead process's slots free themselves. KEYS: the set (a sorted set, score = expiry).
+# ARGV: now (ms), ttl (ms), limit, member. Returns 1 when the member holds a slot, 0 when the set is full.
+_HOLD = """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
+if not redis.call('ZSCORE', KEYS[1], ARGV[4]) and redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[3]) then
+  return 0
+end
+redis.call('ZADD', KEYS[1], tonumber(ARGV[1]) + tonumber(ARGV[2]), ARGV[4])
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+
+
 class _Core:
     """The bus operations, free of I/O: each yields the commands of one round trip at a time."""
 
@@ -261,6 +275,16 @@ class _Core:
         key = self.keys.counter(name)
         count, _ = yield [_cmd("incr", key), _cmd("expire", key, ttl)]
         return count
+
+    def hold(self, name: str, member: str, limit: int, ttl: float) -> Op[bool]:
+        """Take (or renew) `member`'s slot among at most `limit` under `name`, for `ttl` seconds; False when
+        they are all taken."""
+        key, now = self.keys.counter(f"slots:{name}"), int(time.time() * 1000)
+        (held,) = yield [_cmd("eval", _HOLD, 1, key, now, int(ttl * 1000), limit, member)]
+        return bool(held)
+
+    def release(self, name: str, member: str) -> Op[None]:
+        yield [_cmd("zrem", self.keys.counter(f"slots:{name}"), member)]
 
     def request_known(self, request_id: str, started: bool) -> Op[bool]:
         """Whether Redis still holds the request (its id key, and its output stream once it has one); both
@@ -864,6 +888,22 @@ class AsyncEngineClient:
         self.redis = aredis.Redis(connection_pool=pool)
         self._reader = _OutputReader(self)
         self._dropped: set[asyncio.Task] = set()  # aborts of dropped streams, until they are sent
+        self.draining = False  # see `drain`
+
+    def drain(self) -> None:
+        """Refuse new generations (`EngineUnavailableError`): the process is shutting down and lets the
+        requests in flight finish (see `inflight`, `fail_inflight`)."""
+        self.draining = True
+
+    @property
+    def inflight(self) -> int:
+        """Requests whose output this client is reading."""
+        return len(self._reader._subscriptions)
+
+    def fail_inflight(self, error: EngineError) -> None:
+        """End every request in flight with `error` (its reader raises it, and aborts the request)."""
+        for subscription in list(self._reader._subscriptions.values()):
+            subscription.queue.put_nowait(error)
 
     def _abort_dropped(self, model: str, request_id: str) -> None:
         self._reader.unsubscribe(request_id)
@@ -914,6 +954,8 @@ class AsyncEngineClient:
         chat_options: dict | None = None,
     ) -> AsyncGenerationStream:
         """See `EngineClient.generate`."""
+        if self.draining:
+            raise EngineUnavailableError("this server is shutting down; retry the request.")
         message = _generate_message(
             prompt, params, messages, request_id, priority, tools, self._core.owner_id
         )
@@ -963,6 +1005,13 @@ class AsyncEngineClient:
     async def count(self, name: str, ttl: int) -> int:
         """See `_Core.count`: one round trip."""
         return await self._run(self._core.count(name, ttl))
+
+    async def hold(self, name: str, member: str, limit: int, ttl: float) -> bool:
+        """See `_Core.hold`: one round trip."""
+        return await self._run(self._core.hold(name, member, limit, ttl))
+
+    async def release(self, name: str, member: str) -> None:
+        await self._run(self._core.release(name, member))
 
     async def live_replicas(self, model: str) -> list[str]:
         return await self._run(self._core.live_replicas(model))

@@ -27,6 +27,7 @@ class ChatSocket:
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, subprotocol: str | None
     ) -> None:
         self.reader, self.writer, self.subprotocol = reader, writer, subprotocol
+        self.close_code: int | None = None  # the code of the server's close frame, once it sent one
 
     @classmethod
     async def open(
@@ -52,15 +53,16 @@ class ChatSocket:
         headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines)}
         return cls(reader, writer, headers.get("sec-websocket-protocol"))
 
-    def _frame(self, opcode: int, payload: bytes) -> None:
+    def _frame(self, opcode: int, payload: bytes, first_bits: int = 0x80) -> None:
+        """One masked frame; `first_bits`: FIN and RSV bits of the first byte (fuzzing sets others)."""
         mask = os.urandom(4)
         size = len(payload)
         if size < 126:
-            header = struct.pack("!BB", 0x80 | opcode, 0x80 | size)
+            header = struct.pack("!BB", first_bits | opcode, 0x80 | size)
         elif size < 2**16:
-            header = struct.pack("!BBH", 0x80 | opcode, 0x80 | 126, size)
+            header = struct.pack("!BBH", first_bits | opcode, 0x80 | 126, size)
         else:
-            header = struct.pack("!BBQ", 0x80 | opcode, 0x80 | 127, size)
+            header = struct.pack("!BBQ", first_bits | opcode, 0x80 | 127, size)
         self.writer.write(header + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload)))
 
     def send(self, message: dict[str, Any]) -> None:
@@ -83,6 +85,7 @@ class ChatSocket:
             if opcode == TEXT:
                 return json.loads(payload)
             if opcode == CLOSE:
+                self.close_code = struct.unpack("!H", payload[:2])[0] if len(payload) >= 2 else 1005
                 return None
             if opcode == PING:
                 self._frame(PONG, payload)
