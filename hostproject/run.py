@@ -5,8 +5,10 @@ Each service runs in its own process group (its own session), so a terminal's Ct
 launcher. A service that dies is restarted: at once the first time, then after 1, 2, 4 ... (at most 30)
 seconds while it keeps dying, the count starting over once it has run for a minute. Whatever its process
 group still holds is killed first (an engine left behind by its dead supervisor, a Celery pool child). Redis
-comes back on the same port; the engines and the web tier reconnect by themselves. On Ctrl-C the services stop
-in reverse order (web first, Redis last), each group killed after a grace period: no stray processes.
+comes back on the same port; the engines and the web tier reconnect by themselves. On Ctrl-C or SIGTERM the
+services stop in reverse order (web first, Redis last), each group killed after a grace period: no stray
+processes. The web workers stop together and drain first (`hostproject.server`): the answers they stream
+finish, for up to ``LLMSERVE_SHUTDOWN_GRACE`` seconds (default 30), while the engine still runs.
 
 The web port is bound here and handed to each web worker (``--web-workers N``, default 1), so several
 daphne processes share it and the port keeps accepting connections while a worker restarts; rate limits
@@ -51,7 +53,7 @@ from inference_engine.bus.redis_server import free_port
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_NAME = "SmolLM2-135M-Instruct"  # served name of the bundled default model
 READY_TIMEOUT = 600.0  # seconds; the first start on a slow machine loads and converts the model
-STOP_GRACE = 20.0  # seconds each service gets to shut down before its process group is killed
+STOP_GRACE = 20.0  # seconds each service gets to shut down before its process group is killed (web: + drain)
 MAX_RESTART_DELAY = 30.0
 STABLE_AFTER = 60.0  # seconds of running after which a service's restart count starts over
 
@@ -121,15 +123,23 @@ class Service:
     def log_tail(self, chars: int = 3000) -> str:
         return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
 
-    def stop(self) -> None:
+    def stop(self, grace: float = STOP_GRACE) -> None:
         """SIGTERM to the service itself (it stops its own children), then SIGKILL to what is left of its
         process group."""
+        self.terminate()
+        self.finish(grace)
+
+    def terminate(self) -> None:
         if self.process.poll() is None:
             self.process.terminate()
+
+    def finish(self, grace: float = STOP_GRACE) -> None:
+        """Wait up to `grace` seconds for a terminated service, then kill what is left of its group."""
+        if self.process.poll() is None:
             try:
-                self.process.wait(STOP_GRACE)
+                self.process.wait(grace)
             except subprocess.TimeoutExpired:
-                print(f"{self.name} did not stop within {STOP_GRACE:.0f}s; killing it", file=sys.stderr)
+                print(f"{self.name} did not stop within {grace:.0f}s; killing it", file=sys.stderr)
         _kill_group(self.process)
 
 
@@ -310,8 +320,15 @@ def run(
         # No second interrupt may cut the cleanup short.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        web = [service for service in services if service.name.startswith("web-")]
+        for service in web:  # together: none keeps taking connections while another drains
+            service.terminate()
+        drain = float(os.environ.get("LLMSERVE_SHUTDOWN_GRACE", "30")) + STOP_GRACE
+        for service in web:
+            service.finish(drain)
         for service in reversed(services):
-            service.stop()
+            if service not in web:
+                service.stop()
         listener.close()
 
 

@@ -43,6 +43,11 @@ def async_client() -> AsyncEngineClient:
     return found
 
 
+def async_clients() -> list[AsyncEngineClient]:
+    """The async clients of this process's event loops (a server draining on shutdown reads them)."""
+    return list(_async_clients.values())
+
+
 def client() -> EngineClient:
     """The process's synchronous bus client (thread-safe)."""
     global _sync_client

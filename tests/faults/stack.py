@@ -36,6 +36,9 @@ ENGINE_FLAGS = [
 ]
 
 
+SHUTDOWN_GRACE = 10  # seconds a SIGTERMed web worker lets its answers finish (30 by default)
+
+
 class LauncherStack:
     def __init__(self, web_workers: int = 2) -> None:
         self.web_workers = web_workers
@@ -59,6 +62,7 @@ class LauncherStack:
             LLMSERVE_ADMIN_USER="admin",
             LLMSERVE_ADMIN_PASSWORD="faults-admin-password",
             LLMSERVE_LOG_DIR=str(self.log_dir),
+            LLMSERVE_SHUTDOWN_GRACE=str(SHUTDOWN_GRACE),
             OMP_NUM_THREADS="1",
             PYTHONPATH=str(ROOT),
         )
