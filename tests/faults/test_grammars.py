@@ -35,6 +35,10 @@ MODEL = "smol"
         ({"json": {"enum": list(range(1001))}}, "1001 alternatives"),
         ({"choice": [f"value {i}" for i in range(100_000)]}, "the limit is 1000"),
         ({"regex": "x" * 130_000}, "the limit is 120000"),
+        (
+            {"json": {"type": "object", "properties": {f"p{i}": {} for i in range(3000)}}},
+            "3000 object properties",
+        ),
         ({"json": {"type": "array", "items": {"$ref": "#/$defs/missing"}}}, "invalid JSON schema"),
     ],
 )
