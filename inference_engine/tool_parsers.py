@@ -4,9 +4,19 @@ Each model family writes its calls its own way, so the parser is chosen per mode
 ``--tool-call-parser`` chooses it: the engine's ``tool_call_parser`` option, which the engine reports in its
 ``ack``; the API parses the text it streams. Implemented:
 
-``hermes``  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, any number of them among text
-            (Hermes, Qwen 2.5 and the models that took its format; also what the engine's fallback prompt
-            asks of a model whose chat template knows no tools).
+``hermes``       ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, any number of them among text
+                 (Hermes, Qwen 2.5 / Qwen3 and the models that took its format; also what the engine's
+                 fallback prompt asks of a model whose chat template knows no tools).
+``llama3_json``  ``{"name": ..., "parameters": {...}}`` objects separated by ``;``, opening the answer or
+                 after ``<|python_tag|>`` (Llama 3.1 / 3.2 / 3.3 JSON tool calling).
+``mistral``      ``[TOOL_CALLS]`` and a JSON list of ``{"name", "arguments"}`` objects (Mistral, Mixtral);
+                 call ids are nine letters and digits, as Mistral's chat templates demand of them.
+``granite``      ``<|tool_call|>`` (``<tool_call>`` from Granite 3.1 on) and a JSON list of calls (Granite 3).
+
+The markers of the last three are special tokens of their models, which the detokenizer drops unless a
+request keeps special tokens; so their calls are also read where they open the answer without the marker (a
+``{`` for ``llama3_json``, a ``[`` for the others), as vLLM's parsers read them. Text that turns out not to be
+calls (a list of numbers, a JSON object without a name, code after ``<|python_tag|>``) is content, as written.
 
 Two more follow ``tool_choice``, whatever the model: `NamedToolCall` (the grammar made the whole output the
 arguments of one named function) and `RequiredToolCalls` (the grammar made it a JSON array of
@@ -22,6 +32,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -133,8 +144,9 @@ class _CallStream:
     then the arguments' text as it is written. Keys in another order, or a text that is no such object,
     are only understood once the object is complete (`close`)."""
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, new_id: Callable[[], str] = new_call_id) -> None:
         self.index = index
+        self.new_id = new_id
         self.text = ""
         self.object = _ValueEnd()
         self.arguments: _ValueEnd | None = None
@@ -157,7 +169,7 @@ class _CallStream:
                 return deltas
             self.named, self.sent = True, match.end()
             self.arguments = _ValueEnd()
-            deltas.append(ToolCallDelta(self.index, new_call_id(), json.loads(match.group(1))))
+            deltas.append(ToolCallDelta(self.index, self.new_id(), json.loads(match.group(1))))
         if self.arguments is not None and not self.arguments.ended:
             new = self.text[self.sent :]
             end = self.arguments.feed(new)
@@ -182,7 +194,7 @@ class _CallStream:
         arguments = call.get("arguments", call.get("parameters", {}))
         if not isinstance(arguments, str):
             arguments = json.dumps(arguments, ensure_ascii=False)
-        return [ToolCallDelta(self.index, new_call_id(), call["name"], arguments)], True
+        return [ToolCallDelta(self.index, self.new_id(), call["name"], arguments)], True
 
 
 def _held_back(text: str, marker: str) -> int:
@@ -238,7 +250,8 @@ class HermesToolParser(ToolParser):
             if marker < 0:  # the object goes on; hold what may start the end marker
                 self.pending = text[len(before) :]
                 return ""
-            self._close(out)  # the end marker came inside a broken object
+            if not self._close(out):  # the end marker came inside a broken object
+                out.content += self.END
             return text[marker + len(self.END) :]
         self.after_call = self._close(out)
         return rest + text[len(before) :]
@@ -271,6 +284,138 @@ class HermesToolParser(ToolParser):
             out.content += self.pending
         self.pending = ""
         return out
+
+
+class _JsonCallsParser(ToolParser):
+    """Calls written as JSON after a marker (`MARKERS`): a list of call objects (`LISTED`), else call objects
+    separated by ``;``; or the same where it opens the answer without its marker.
+
+    What is read of the calls is kept (`raw`) until the calls in it are complete, so that text which turns out
+    not to be calls goes out as content, as it was written (marker and all)."""
+
+    MARKERS: ClassVar[tuple[str, ...]]
+    LISTED: ClassVar[bool]
+
+    def __init__(self) -> None:
+        self.pending = ""  # text not yet said: a possible start of a marker, or whitespace
+        self.started = False  # the answer's first non-whitespace character came
+        self.in_calls = False
+        self.expect = ""  # in the calls: "open" (the list), "item" (a call), "next" (a separator or the end)
+        self.raw = ""  # the calls' text since the last complete call
+        self.call: _CallStream | None = None
+        self.calls = 0
+
+    def new_id(self) -> str:
+        return new_call_id()
+
+    def feed(self, text: str) -> ParsedDelta:
+        out = ParsedDelta()
+        text = self.pending + text
+        self.pending = ""
+        while text:
+            text = self._in_calls(text, out) if self.in_calls else self._in_text(text, out)
+        return out
+
+    def _in_text(self, text: str, out: ParsedDelta) -> str:
+        if not self.started:
+            stripped = text.lstrip()
+            if not stripped or any(m.startswith(stripped) for m in self.MARKERS):
+                self.pending = text  # too early to tell calls from text
+                return ""
+            self.started = True
+            opener = "[" if self.LISTED else "{"
+            if stripped[0] == opener and not any(stripped.startswith(m) for m in self.MARKERS):
+                self._enter(text[: len(text) - len(stripped)], "open" if self.LISTED else "item")
+                return stripped
+        found = [(text.find(m), m) for m in self.MARKERS if m in text]
+        if not found:
+            said = text[: len(text) - max(_held_back(text, m) for m in self.MARKERS)]
+            out.content += said.rstrip()
+            self.pending = text[len(said.rstrip()) :]
+            return ""
+        at, marker = min(found)
+        out.content += text[:at].rstrip()
+        self._enter(marker, "open" if self.LISTED else "item")
+        return text[at + len(marker) :]
+
+    def _enter(self, raw: str, expect: str) -> None:
+        self.in_calls, self.raw, self.expect = True, raw, expect
+
+    def _in_calls(self, text: str, out: ParsedDelta) -> str:
+        if self.call is not None:
+            deltas, rest = self.call.feed(text)
+            out.tool_calls += deltas
+            if rest is None:
+                return ""
+            if self._close(out):
+                self.raw, self.expect = "", "next"
+            return rest
+        stripped = text.lstrip()
+        if not stripped:
+            self.pending = text
+            return ""
+        ch, space = stripped[0], text[: len(text) - len(stripped)]
+        separator = "," if self.LISTED else ";"
+        if (self.expect, ch) in (("open", "["), ("next", separator)):
+            self.raw += space + ch
+            self.expect = "item"
+            return stripped[1:]
+        if self.expect == "item" and ch == "{":
+            self.raw += space
+            self.call = _CallStream(self.calls, self.new_id)
+            self.calls += 1
+            return stripped
+        if self.expect == "next":  # the calls are complete; what follows is text
+            self.in_calls = False
+            return stripped[1:] if self.LISTED and ch == "]" else text
+        self._leave(out, self.raw)  # not calls after all
+        return text
+
+    def _close(self, out: ParsedDelta) -> bool:
+        """Closes the call being read; one that is no call goes out as content with what came before it."""
+        call, self.call = self.call, None
+        deltas, was_call = call.close()
+        out.tool_calls += deltas
+        if not was_call:
+            self.calls -= 1
+            self._leave(out, self.raw + call.text)
+        return was_call
+
+    def _leave(self, out: ParsedDelta, text: str) -> None:
+        out.content += text
+        self.in_calls, self.raw = False, ""
+
+    def finish(self) -> ParsedDelta:
+        out = ParsedDelta()
+        if self.call is not None:
+            self._close(out)
+        elif self.in_calls:
+            self._leave(out, self.raw if self.raw.strip() else "")
+        elif self.pending.strip():
+            out.content += self.pending
+        self.pending, self.in_calls = "", False
+        return out
+
+
+class Llama3JsonToolParser(_JsonCallsParser):
+    name = "llama3_json"
+    MARKERS = ("<|python_tag|>",)
+    LISTED = False
+
+
+class MistralToolParser(_JsonCallsParser):
+    name = "mistral"
+    MARKERS = ("[TOOL_CALLS]",)
+    LISTED = True
+
+    def new_id(self) -> str:
+        return uuid.uuid4().hex[:9]
+
+
+class GraniteToolParser(_JsonCallsParser):
+    name = "granite"
+    MARKERS = ("<|tool_call|>", "<tool_call>")
+    LISTED = True
 
 
 class NamedToolCall(ToolParser):
@@ -351,7 +496,10 @@ def required_schema(functions: list[dict[str, Any]], parallel: bool) -> dict[str
     return schema
 
 
-PARSERS: dict[str, type[ToolParser]] = {HermesToolParser.name: HermesToolParser}
+PARSERS: dict[str, type[ToolParser]] = {
+    parser.name: parser
+    for parser in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, GraniteToolParser)
+}
 
 
 def get_parser(name: str) -> ToolParser:
