@@ -50,6 +50,7 @@ ENGINE_FLAGS: list[tuple[str, type]] = [
     ("--speculative-config", json.loads),  # JSON, as vLLM's flag
     ("--num-scheduler-steps", int),
     ("--tool-call-parser", str),
+    ("--reasoning-parser", str),
 ]
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from inference_engine.errors import InvalidRequestError
+from inference_engine.reasoning_parsers import PARSERS as REASONING_PARSERS
 from inference_engine.tool_parsers import PARSERS
 
 QUANTIZATION_METHODS = ("awq", "gptq", "gguf", "int8", "none")
@@ -51,6 +52,7 @@ class EngineConfig:
     max_pending_requests: int = 4096  # admission bound: beyond it add_request raises EngineOverloadedError
     log_stats_interval: float = 10.0  # seconds between stats log lines; 0 disables
     tool_call_parser: str = "hermes"  # the model's tool-call format (vLLM's --tool-call-parser)
+    reasoning_parser: str | None = None  # the model's reasoning block (vLLM's --reasoning-parser); None: none
 
     @property
     def distributed_init_method(self) -> str:
@@ -82,6 +84,10 @@ class EngineConfig:
         if self.tool_call_parser not in PARSERS:
             raise InvalidRequestError(
                 f"unknown tool_call_parser {self.tool_call_parser!r} (known: {', '.join(PARSERS)})."
+            )
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise InvalidRequestError(
+                f"unknown reasoning_parser {self.reasoning_parser!r} (known: {', '.join(REASONING_PARSERS)})."
             )
 
 

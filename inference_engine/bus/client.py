@@ -91,6 +91,7 @@ class GenerationResult:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_token_ids: list[int] | None = None  # with prompt_logprobs
     tool_parser: str | None = None  # the format of the model's tool calls, for requests with tools
+    reasoning_parser: str | None = None  # the format of the model's reasoning block, for chat requests
 
 
 @dataclass
@@ -404,6 +405,7 @@ class _Accumulator:
         self.request_id = request_id
         self.prompt_tokens: int | None = None
         self.tool_parser: str | None = None
+        self.reasoning_parser: str | None = None
         self.finished = False
         self.outputs: dict[int, CompletionOutput] = {}
         self.usage: P.Usage | None = None
@@ -414,6 +416,7 @@ class _Accumulator:
         if isinstance(message, P.Ack):
             if self.prompt_tokens is None:  # a request re-run after a crash may be acknowledged twice
                 self.prompt_tokens, self.tool_parser = message.prompt_tokens, message.tool_parser
+                self.reasoning_parser = message.reasoning_parser
             return None
         if isinstance(message, P.Error | P.Result):
             self.finished = True
@@ -446,6 +449,7 @@ class _Accumulator:
             self.prompt_logprobs,
             self.prompt_token_ids,
             self.tool_parser,
+            self.reasoning_parser,
         )
 
 
@@ -482,6 +486,12 @@ class _StreamState:
     def tool_parser(self) -> str | None:
         """The format of the model's tool calls (`inference_engine.tool_parsers`), for requests with tools."""
         return self._acc.tool_parser
+
+    @property
+    def reasoning_parser(self) -> str | None:
+        """The format of the model's reasoning block (`inference_engine.reasoning_parsers`), for chat requests
+        to an engine that has one."""
+        return self._acc.reasoning_parser
 
     @property
     def finished(self) -> bool:

@@ -64,11 +64,13 @@ Request (client -> ``req`` stream, or ``reqlow`` for ``generate`` with ``priorit
   ``{"type": "detokenize", "id", "token_ids"}`` / ``{"type": "tokenizer_info", "id"}``
 
 Output (engine -> ``out`` stream), in this order:
-  ``ack``    ``{"prompt_tokens": int, "replica": str, "tool_parser"?: str}`` -- the engine accepted the
-             request (a structured-output request once its grammar compiled). Clients wait for it (or
-             ``error``) before yielding anything, so the HTTP layer can still answer 400. A request re-run
-             after a crash may be acknowledged twice; clients skip the second ack. ``tool_parser`` (when the
-             request has tools) names the format of the model's tool calls (`inference_engine.tool_parsers`).
+  ``ack``    ``{"prompt_tokens": int, "replica": str, "tool_parser"?: str, "reasoning_parser"?: str}`` -- the
+             engine accepted the request (a structured-output request once its grammar compiled). Clients
+             wait for it (or ``error``) before yielding anything, so the HTTP layer can still answer 400. A
+             request re-run after a crash may be acknowledged twice; clients skip the second ack.
+             ``tool_parser`` (when the request has tools) names the format of the model's tool calls
+             (`inference_engine.tool_parsers`); ``reasoning_parser`` (for a chat request, when the engine has
+             one) that of its reasoning block (`inference_engine.reasoning_parsers`).
   ``delta``  ``{"outputs": [{"index", "text", "token_ids", "logprobs"}], "replica"}`` -- what is new since the
              previous delta, one entry per scheduler step covering every output index that progressed.
              ``logprobs`` is ``null`` or one list per new token of ``[token_id, logprob, rank, decoded]``.
@@ -251,6 +253,7 @@ class Ack(Message):
     prompt_tokens: int
     replica: str
     tool_parser: str | None = None  # the model's tool-call format, for requests with tools
+    reasoning_parser: str | None = None  # the model's reasoning-block format, for chat requests
 
 
 @dataclass

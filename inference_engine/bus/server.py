@@ -384,6 +384,8 @@ class EngineServer:
         ack = P.Ack(len(prompt_ids), self.replica_id)
         if message.tools:
             ack.tool_parser = self.engine.config.tool_call_parser
+        if message.messages is not None:
+            ack.reasoning_parser = self.engine.config.reasoning_parser
         if self.engine.preparing(rid):  # acknowledged (or refused) once its grammar has compiled
             self._unacked[rid] = ack
         else:
