@@ -49,7 +49,10 @@ class ReasoningParser:
     name: ClassVar[str]
     OPENED_BY_PROMPT: ClassVar[bool]  # the answer starts inside the block
 
-    def __init__(self) -> None:
+    def __init__(self, opened_by_prompt: bool = True) -> None:
+        """`opened_by_prompt` False: this answer does not start inside the block, whatever the model's
+        template does (a grammar wrote it from its first token)."""
+        self.opened = self.OPENED_BY_PROMPT and opened_by_prompt
         self.state = "start"  # "start" (nothing said yet), "reasoning", "content"
         self.pending = ""  # text not yet said: whitespace, or what may start a marker
         self.said = False  # in the current state, something was said (leading whitespace is dropped)
@@ -76,7 +79,7 @@ class ReasoningParser:
         if stripped.startswith(START):
             self.state = "reasoning"
             return stripped[len(START) :]
-        if self.OPENED_BY_PROMPT:
+        if self.opened:
             self.state = "reasoning"
             return stripped
         self.state, self.said = "content", True  # no block: the text is the answer, as written
@@ -104,7 +107,7 @@ class ReasoningParser:
         out = ReasoningDelta()
         pending, self.pending = self.pending, ""
         if self.state == "start" and pending.strip():
-            if self.OPENED_BY_PROMPT:
+            if self.opened:
                 out.reasoning += pending.strip()
             else:
                 out.content += pending
@@ -133,8 +136,8 @@ PARSERS: dict[str, type[ReasoningParser]] = {
 }
 
 
-def get_reasoning_parser(name: str) -> ReasoningParser:
+def get_reasoning_parser(name: str, opened_by_prompt: bool = True) -> ReasoningParser:
     try:
-        return PARSERS[name]()
+        return PARSERS[name](opened_by_prompt)
     except KeyError:
         raise ValueError(f"unknown reasoning parser {name!r} (known: {', '.join(PARSERS)})") from None

@@ -9,9 +9,10 @@ Protocol (JSON text frames). The client sends
     {"type": "models"}                                          # ask for the live models again
 
 and receives ``ready`` (with the live models) once connected, then per answer ``start`` (prompt token
-count), ``delta`` (new text; with tools, ``tool_calls`` pieces in the REST stream's shape), and ``end``
-(finish_reason, usage, ttft seconds, tokens_per_s), or ``error`` (code, message, param) for anything
-refused. A stopped answer ends with finish_reason ``"abort"``.
+count), ``delta`` (new text; with tools, ``tool_calls`` pieces in the REST stream's shape; from an engine with
+a reasoning parser, ``reasoning_content`` apart from the text), and ``end`` (finish_reason, usage, ttft
+seconds, tokens_per_s), or ``error`` (code, message, param) for anything refused. A stopped answer ends with
+finish_reason ``"abort"``.
 
 The token loop runs as its own task so that a ``stop`` message or a disconnect is handled while tokens are
 still arriving: cancelling the task aborts the engine request, which frees its KV blocks within one step.
@@ -47,11 +48,10 @@ from django.db import close_old_connections
 
 from inference_engine.bus.protocol import RequestDelta
 from inference_engine.errors import EngineError, ModelNotFoundError
-from inference_engine.tool_parsers import ParsedDelta
 from llmserve import bus, conf, lookups
 from llmserve.api import errors, schema
 from llmserve.api.models import _served
-from llmserve.api.responses import call_finish_reason, tool_delta, tool_parser
+from llmserve.api.responses import AnswerReader, call_finish_reason, tool_delta
 from llmserve.auth import (
     AuthenticationFailed,
     Principal,
@@ -274,22 +274,20 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
                     }
                 )
                 choice = request.tool_choice
-                parser = tool_parser(choice, stream.tool_parser) if choice is not None else None
+                constrained = request.params.structured_outputs is not None
+                reader = AnswerReader(choice, stream.tool_parser, stream.reasoning_parser, constrained)
                 called = False
                 async for delta in stream:
                     timer.delta(delta)
                     answer.saw(delta)
-                    parsed = ParsedDelta("".join(o.text for o in delta.outputs))
-                    if parser is not None:
-                        parsed = parser.feed(parsed.content)
-                        if delta.finished:
-                            parsed.extend(parser.finish())
+                    reasoning, parsed = reader.feed("".join(o.text for o in delta.outputs), delta.finished)
                     calls = tool_delta(parsed, choice)
                     calls.pop("content", None)
-                    if parsed.content or calls:
+                    thought = {"reasoning_content": reasoning} if reasoning else {}
+                    if parsed.content or calls or thought:
                         called = called or bool(calls)
                         await self.send_json(
-                            {"type": "delta", "id": answer.id, "text": parsed.content, **calls}
+                            {"type": "delta", "id": answer.id, "text": parsed.content, **thought, **calls}
                         )
                     if delta.finished:
                         reason = delta.outputs[0].finish_reason

@@ -124,7 +124,10 @@ async def _merged(streams: list[AsyncGenerationStream]) -> AsyncIterator[tuple[i
 async def respond(request: GenerationRequest) -> HttpResponse:
     submitted = await submit(request)
     try:
-        builder = ResponseBuilder(request, await _echoes(submitted), submitted.streams[0].tool_parser)
+        first = submitted.streams[0]
+        builder = ResponseBuilder(
+            request, await _echoes(submitted), first.tool_parser, first.reasoning_parser
+        )
     except BaseException:
         await submitted.abort()
         raise

@@ -7,7 +7,9 @@ completion request with several prompts is one engine request per prompt; its ch
 
 A chat request with tools has its answers read by a tool-call parser (`tool_parser`): the calls go out as
 ``tool_calls`` (``function_call`` for the legacy ``functions``) with ``finish_reason: "tool_calls"``; a stream
-sends each call's id and name once its name is written, then its arguments as they are written.
+sends each call's id and name once its name is written, then its arguments as they are written. An engine
+with a reasoning parser (its ack names it) has its chat answers' reasoning block returned apart, as
+``reasoning_content`` in the message and in stream deltas (`AnswerReader`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 from inference_engine.bus.client import GenerationResult
 from inference_engine.bus.protocol import CompletionDelta, RequestDelta, Usage
 from inference_engine.outputs import CompletionOutput, Logprob
+from inference_engine.reasoning_parsers import ReasoningParser, get_reasoning_parser
 from inference_engine.tool_parsers import (
     NamedToolCall,
     ParsedDelta,
@@ -86,6 +89,50 @@ def tool_parser(choice: ToolChoice, model_format: str | None) -> ToolParser:
     if choice.mode == "required":
         return RequiredToolCalls()
     return get_parser(model_format or "hermes")
+
+
+class AnswerReader:
+    """One chat answer as it is read, whole or streamed: the model's reasoning block apart (the engine's
+    reasoning parser), then the tool calls (`tool_parser`) out of the rest.
+
+    An answer a grammar wrote (`constrained`: structured outputs, a required or named tool choice) is what
+    the grammar describes from its first token: it has reasoning only where it writes ``<think>`` itself."""
+
+    def __init__(
+        self,
+        choice: ToolChoice | None,
+        tool_format: str | None,
+        reasoning_format: str | None,
+        constrained: bool = False,
+    ) -> None:
+        self.tools = tool_parser(choice, tool_format) if choice is not None else None
+        self.reasoning: ReasoningParser | None = None
+        if reasoning_format is not None:
+            self.reasoning = get_reasoning_parser(reasoning_format, opened_by_prompt=not constrained)
+
+    def feed(self, text: str, finished: bool) -> tuple[str, ParsedDelta]:
+        """(reasoning, the rest) of the answer's next piece of text; `finished`: it was the last."""
+        reasoning = ""
+        if self.reasoning is not None:
+            parsed = self.reasoning.feed(text)
+            if finished:
+                parsed.extend(self.reasoning.finish())
+            reasoning, text = parsed.reasoning, parsed.content
+        if self.tools is None:
+            return reasoning, ParsedDelta(content=text)
+        rest = self.tools.feed(text)
+        if finished:
+            rest.extend(self.tools.finish())
+        return reasoning, rest
+
+    def whole(self, text: str) -> tuple[str | None, str | None, list[ToolCall]]:
+        """(reasoning, content, calls) of a whole answer; content is None where it is only calls or only
+        reasoning."""
+        reasoning = None
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.parse(text)
+        content, calls = self.tools.parse(text) if self.tools is not None else (text, [])
+        return reasoning, None if reasoning is not None and not content else content, calls
 
 
 def tool_call_body(call: ToolCall) -> dict[str, Any]:
@@ -239,12 +286,17 @@ class ResponseBuilder:
     """
 
     def __init__(
-        self, request: GenerationRequest, echoes: list[Echo] | str = "", tool_format: str | None = None
+        self,
+        request: GenerationRequest,
+        echoes: list[Echo] | str = "",
+        tool_format: str | None = None,
+        reasoning_format: str | None = None,
     ) -> None:
-        """`tool_format`: the model's tool-call parser, as the engine's ack named it."""
+        """`tool_format`, `reasoning_format`: the model's parsers, as the engine's ack named them."""
         self.request = request
         self.tool_format = tool_format
-        self._parsers: dict[int, ToolParser] = {}  # a stream's, per choice
+        self.reasoning_format = reasoning_format
+        self._readers: dict[int, AnswerReader] = {}  # a stream's, per choice
         self._called: set[int] = set()  # choices whose stream has made a call
         self.id = answer_id(request)
         self.created = int(time.time())
@@ -319,15 +371,17 @@ class ResponseBuilder:
                             self.request.token_ids_as_tokens,
                         )
                     choice = self.request.tool_choice
-                    content, calls = out.text, []
-                    if choice is not None:
-                        content, calls = tool_parser(choice, result.tool_parser).parse(out.text)
+                    reader = self._reader(choice, result.tool_parser, result.reasoning_parser)
+                    reasoning, content, calls = reader.whole(out.text)
                     if self.request.echo_text:
                         content = self.request.echo_text + (content or "")
+                    message = assistant_message(content, calls, choice)
+                    if reader.reasoning is not None:
+                        message["reasoning_content"] = reasoning
                     choices.append(
                         {
                             "index": out.index,
-                            "message": assistant_message(content, calls, choice),
+                            "message": message,
                             "logprobs": logprobs,
                             "finish_reason": call_finish_reason(out.finish_reason, bool(calls), choice),
                         }
@@ -388,16 +442,15 @@ class ResponseBuilder:
                 d.logprobs, d.token_ids, self.request.params.logprobs or 0, self.request.token_ids_as_tokens
             )
         choice = self.request.tool_choice
-        parsed = ParsedDelta(content=d.text)
-        if choice is not None:
-            parser = self._parsers.setdefault(d.index, tool_parser(choice, self.tool_format))
-            parsed = parser.feed(d.text)
-            if d.finish_reason is not None:
-                parsed.extend(parser.finish())
+        if d.index not in self._readers:
+            self._readers[d.index] = self._reader(choice, self.tool_format, self.reasoning_format)
+        reasoning, parsed = self._readers[d.index].feed(d.text, d.finish_reason is not None)
         finish = call_finish_reason(
             d.finish_reason, d.index in self._called or bool(parsed.tool_calls), choice
         )
         delta = tool_delta(parsed, choice)
+        if reasoning:
+            delta["reasoning_content"] = reasoning
         if parsed.tool_calls:
             self._called.add(d.index)
         if not delta and finish is None:
@@ -405,6 +458,12 @@ class ResponseBuilder:
                 return None
             delta = {"content": ""}  # text not said yet: the chunk still carries the token's logprobs
         return {"index": d.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+
+    def _reader(
+        self, choice: ToolChoice | None, tool_format: str | None, reasoning_format: str | None
+    ) -> AnswerReader:
+        constrained = self.request.params.structured_outputs is not None
+        return AnswerReader(choice, tool_format, reasoning_format, constrained)
 
     def usage_chunk(self, usages: list[Usage | None]) -> dict[str, Any]:
         usage = add_usage([self._usage(u) for u in usages])

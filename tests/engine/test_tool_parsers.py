@@ -223,6 +223,13 @@ def _squeezed(text: str) -> str:
     return "".join(text.split())
 
 
+def test_an_answer_a_grammar_wrote_has_reasoning_only_where_it_opens_the_block() -> None:
+    """The engine's grammars constrain an answer from its first token: a JSON answer to a deepseek_r1 model
+    is content, not reasoning cut short."""
+    for text, parsed in (('{"a": 1}', (None, '{"a": 1}')), ("<think>r</think>{}", ("r", "{}"))):
+        assert get_reasoning_parser("deepseek_r1", opened_by_prompt=False).parse(text) == parsed
+
+
 def test_unknown_reasoning_parser_names_the_known_ones() -> None:
     with pytest.raises(ValueError, match="qwen3, deepseek_r1"):
         get_reasoning_parser("granite")
