@@ -400,6 +400,7 @@ def _parse(content: dict[str, Any]) -> schema.GenerationRequest:
         raise ChatError("unknown_parameter", f"`params.{name}` is not a chat setting.", f"params.{name}")
     try:
         body = {**params, "model": content.get("model"), "messages": content.get("messages")}
-        return schema.parse("chat", body)
+        # The socket's settings are the chat page's own: an unknown one is a mistake worth saying.
+        return schema.parse("chat", body, reject_unknown=True)
     except errors.APIError as exc:
         raise ChatError.from_api(exc) from None

@@ -605,11 +605,11 @@ class BatchRequestLine(RequestModel):
 Model = TypeVar("Model", bound=BaseModel)
 
 
-def validate(model: type[Model], body: dict[str, Any]) -> Model:
+def validate(model: type[Model], body: dict[str, Any], reject_unknown: bool | None = None) -> Model:
     """`body` as `model`, or `BadRequest` about the first problem, its ``param`` the path into the body.
 
-    Fields no model knows are refused with ``REJECT_UNKNOWN_FIELDS``, else ignored; they and the documented
-    fields that are ignored are logged once per name (per process)."""
+    Fields no model knows are refused if `reject_unknown` (default: ``REJECT_UNKNOWN_FIELDS``), else ignored;
+    they and the documented fields that are ignored are logged once per name (per process)."""
     # A batch line's body is checked when its request runs: the line's own error, the rest of the batch runs.
     checked = {k: v for k, v in body.items() if k != "body"} if model is BatchRequestLine else body
     where = lone_surrogate(checked)
@@ -624,7 +624,9 @@ def validate(model: type[Model], body: dict[str, Any]) -> Model:
         validated = model.model_validate(body, context=fields)
     except ValidationError as exc:
         raise _bad_request(exc, body) from None
-    if fields.unknown and conf.get("REJECT_UNKNOWN_FIELDS"):
+    if reject_unknown is None:
+        reject_unknown = conf.get("REJECT_UNKNOWN_FIELDS")
+    if fields.unknown and reject_unknown:
         param = _find_key(body, sorted(fields.unknown)) or sorted(fields.unknown)[0]
         raise BadRequest(
             f"Unrecognized request argument supplied: {param}.", param=param, code="unknown_parameter"
@@ -765,15 +767,17 @@ class GenerationRequest:
         return self.prompts[0] if self.prompts else None
 
 
-def parse(kind: Kind, body: dict[str, Any], *, several_prompts: bool = False) -> GenerationRequest:
+def parse(
+    kind: Kind, body: dict[str, Any], *, several_prompts: bool = False, reject_unknown: bool | None = None
+) -> GenerationRequest:
     """Validate an OpenAI /v1/completions or /v1/chat/completions body.
 
     A completion may hold a list of prompts only with `several_prompts` (the REST endpoint answers them in
-    one response; a batch line or a chat message is one engine request).
+    one response; a batch line or a chat message is one engine request). `reject_unknown`: see `validate`.
     """
     if kind == "chat":
-        return chat_request(validate(ChatCompletionRequest, body))
-    return completion_request(validate(CompletionRequest, body), several_prompts)
+        return chat_request(validate(ChatCompletionRequest, body, reject_unknown))
+    return completion_request(validate(CompletionRequest, body, reject_unknown), several_prompts)
 
 
 def _stream_fields(body: SamplingFields) -> bool:

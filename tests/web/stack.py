@@ -59,7 +59,7 @@ class Stack:
     daphne: subprocess.Popen | None = None
     port: int = 0
     api_key: str = ""
-    # A second local port whose pages the API's CORS settings let call it (tests/chat/test_browser_cors.py).
+    # A second local port whose pages the API's CORS settings let call it (tests/web/test_browser_cors.py).
     cors_port: int = field(default_factory=free_port)
 
     @property

@@ -426,3 +426,28 @@ def test_prefix_cache_counters(client, stack) -> None:
 
     queries, hits = value("vllm:prefix_cache_queries_total"), value("vllm:prefix_cache_hits_total")
     assert queries >= hits > 0
+
+
+# ------------------------------------------------------------------------------ unknown fields, in process
+
+
+def test_unknown_fields_are_logged_once_or_refused_in_strict_mode(caplog, settings) -> None:
+    from llmserve.api import errors, schema
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "Hi", "x_unknown_in_message": 1}]}
+    with caplog.at_level("WARNING", logger="llmserve.api"):
+        for _ in range(2):
+            assert schema.parse("chat", body).messages == [{"role": "user", "content": "Hi"}]
+    assert [r.getMessage() for r in caplog.records].count(
+        "ignored the unknown request field 'x_unknown_in_message' (logged once per field name)"
+    ) == 1
+    settings.LLMSERVE = {**settings.LLMSERVE, "REJECT_UNKNOWN_FIELDS": True}
+    with pytest.raises(errors.BadRequest) as refused:
+        schema.parse("chat", body)
+    assert (
+        refused.value.param == "messages[0].x_unknown_in_message"
+        and refused.value.code == "unknown_parameter"
+    )
+    with pytest.raises(errors.BadRequest) as refused:  # known fields are as strict as ever, in both modes
+        schema.parse("chat", {**body, "messages": body["messages"][:1], "temperature": "0.5"})
+    assert refused.value.param == "temperature"
