@@ -72,6 +72,17 @@ class _Layer(ctypes.Structure):
         ("down", _Linear),
         ("k_cache", ctypes.c_void_p),
         ("v_cache", ctypes.c_void_p),
+        ("q_norm", ctypes.c_void_p),
+        ("k_norm", ctypes.c_void_p),
+        ("qk_norm_whole", ctypes.c_int),
+        ("post_attn_norm", ctypes.c_void_p),
+        ("post_mlp_norm", ctypes.c_void_p),
+        ("window", ctypes.c_int),
+        ("softcap", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        ("gelu", ctypes.c_int),
+        ("cos", ctypes.c_void_p),
+        ("sin", ctypes.c_void_p),
     ]
 
 
@@ -83,9 +94,6 @@ class _Decoder(ctypes.Structure):
         ),
         ("num_slots", ctypes.c_long),
         ("eps", ctypes.c_float),
-        ("scale", ctypes.c_float),
-        ("cos", ctypes.c_void_p),
-        ("sin", ctypes.c_void_p),
         ("final_norm", ctypes.c_void_p),
         ("layer", ctypes.POINTER(_Layer)),
     ]
@@ -93,8 +101,12 @@ class _Decoder(ctypes.Structure):
 
 @dataclass
 class DecoderLayer:
-    input_norm: torch.Tensor
-    post_norm: torch.Tensor
+    """One layer's weights, caches and variants. With every variant at its default it is a Llama layer:
+    x + attn(norm(x)), then that + mlp(norm(that)). Every norm is a bf16 RMSNorm with the given weight,
+    rounded as `kernels.cpu.fused.rms_norm` rounds (the caller folds Gemma's 1 + w into the weight)."""
+
+    input_norm: torch.Tensor | None  # [hidden] before attention; None: attention reads the stream (OLMo 2)
+    post_norm: torch.Tensor | None  # [hidden] before the MLP; None: the MLP reads the stream (OLMo 2)
     qkv: PackedLinear
     qkv_bias: torch.Tensor | None
     o: PackedLinear
@@ -102,6 +114,24 @@ class DecoderLayer:
     down: PackedLinear
     k_cache: torch.Tensor  # [blocks, block_size, kv_heads, head_dim]
     v_cache: torch.Tensor
+    # RMSNorms of the queries and keys, before the rotation: over each head ([head_dim] weights: Qwen3,
+    # Gemma 3) or, with qk_norm_whole, over the whole q and k projections ([heads * head_dim] and
+    # [kv_heads * head_dim]: OLMo 2). None: none.
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    qk_norm_whole: bool = False
+    # RMSNorms of the attention's and the MLP's outputs, before they join the stream (Gemma 2/3's
+    # post_attention_layernorm and post_feedforward_layernorm, OLMo 2's two norms). None: none.
+    post_attn_norm: torch.Tensor | None = None
+    post_mlp_norm: torch.Tensor | None = None
+    window: int = 0  # sliding window: a query at position p sees keys p - window + 1..p (0: all)
+    softcap: float = 0.0  # attention scores become softcap * tanh(score / softcap) (0: none)
+    scale: float | None = None  # attention scale; None: head_dim ** -0.5
+    gelu: bool = False  # GELU-tanh instead of SiLU in the gated MLP (Gemma)
+    # This layer's rotary tables, [max_position, head_dim] fp32 laid out as RotaryEmbedding's (Gemma 3's
+    # sliding layers have their own base); None: the decoder's.
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
 
 
 def native_rows(packed: PackedLinear) -> int:
@@ -147,16 +177,11 @@ class NativeDecoder:
         max_rows: int,
     ) -> None:
         first = layers[0]
-        self.hidden, self.kv_heads = first.input_norm.shape[0], first.k_cache.shape[2]
+        self.hidden, self.kv_heads = first.qkv.in_features, first.k_cache.shape[2]
         self.heads, self.head_dim, self.max_rows = heads, head_dim, max_rows
         self.intermediate = first.down.in_features
-        self._keep = [
-            cos,
-            sin,
-            final_norm,
-            *(t for layer in layers for t in (layer.input_norm, layer.post_norm)),
-        ]
-        self._layers = (_Layer * len(layers))(*(self._layer(layer) for layer in layers))
+        self._keep = [final_norm]
+        self._layers = (_Layer * len(layers))(*(self._layer(layer, cos, sin) for layer in layers))
         self.desc = _Decoder(
             len(layers),
             self.hidden,
@@ -167,9 +192,6 @@ class NativeDecoder:
             first.k_cache.shape[1],
             first.k_cache.shape[0] * first.k_cache.shape[1],
             eps,
-            head_dim**-0.5,
-            cos.data_ptr(),
-            sin.data_ptr(),
             final_norm.data_ptr(),
             self._layers,
         )
@@ -208,16 +230,46 @@ class NativeDecoder:
             _amx_rows(),
         )
 
-    def _layer(self, layer: DecoderLayer) -> _Layer:
+    def _address(
+        self, t: torch.Tensor | None, dtype: torch.dtype = BF16, numel: int | None = None
+    ) -> int | None:
+        """Where a tensor the decoder reads lies (kept alive with the decoder); None stays None."""
+        if t is None:
+            return None
+        if t.dtype != dtype or not t.is_contiguous() or (numel is not None and t.numel() != numel):
+            raise ValueError(
+                f"the native decoder takes contiguous {dtype} of {numel} elements, got {t.dtype} {t.shape}"
+            )
+        self._keep.append(t)
+        return t.data_ptr()
+
+    def _layer(self, layer: DecoderLayer, cos: torch.Tensor, sin: torch.Tensor) -> _Layer:
+        hidden, d = self.hidden, self.head_dim
+        q_width, k_width = (self.heads * d, self.kv_heads * d) if layer.qk_norm_whole else (d, d)
+        cos = cos if layer.cos is None else layer.cos
+        sin = sin if layer.sin is None else layer.sin
+        if cos.shape != sin.shape or cos.shape[-1] != d:
+            raise ValueError(f"rotary tables must be [positions, {d}], got {cos.shape} and {sin.shape}")
         return _Layer(
-            layer.input_norm.data_ptr(),
-            layer.post_norm.data_ptr(),
+            self._address(layer.input_norm, numel=hidden),
+            self._address(layer.post_norm, numel=hidden),
             self._op(layer.qkv, layer.qkv_bias),
             self._op(layer.o),
             self._op(layer.gate_up),
             self._op(layer.down),
             layer.k_cache.data_ptr(),
             layer.v_cache.data_ptr(),
+            self._address(layer.q_norm, numel=q_width),
+            self._address(layer.k_norm, numel=k_width),
+            int(layer.qk_norm_whole),
+            self._address(layer.post_attn_norm, numel=hidden),
+            self._address(layer.post_mlp_norm, numel=hidden),
+            layer.window,
+            layer.softcap,
+            d**-0.5 if layer.scale is None else layer.scale,
+            int(layer.gelu),
+            self._address(cos, torch.float32),
+            self._address(sin, torch.float32),
         )
 
     def attach_head(self, head: PackedLinear, embed: PackedLinear) -> None:

@@ -60,6 +60,23 @@ def test_silu_mul_matches_pytorch(rows, width):
     assert (out != expected).float().mean() < 0.01
 
 
+@pytest.mark.parametrize(("rows", "width"), [(1, 1536), (7, 100), (64, 1536)])
+def test_gelu_tanh_mul_matches_pytorch(rows, width):
+    gen = torch.Generator().manual_seed(rows * width + 1)
+    gate_up = (torch.randn(rows, 2 * width, generator=gen) * 4).to(BF16)
+    gate_up[0, :6] = torch.tensor([0.0, -0.0, 90.0, -90.0, 1e-30, -1e-30])  # beyond tanh's saturation, tiny
+    gate, up = gate_up.chunk(2, dim=-1)
+    out = cpu_fused.gelu_tanh_mul(gate_up)
+    # The GELU in fp64 as x * sigmoid(2u) (no cancellation), rounded as PyTorch rounds: ours may round to
+    # the other neighbouring bf16 now and then.
+    x = gate.double()
+    exact = (x * torch.sigmoid(1.5957691216057308 * (x + 0.044715 * x**3))).to(BF16).mul_(up)
+    torch.testing.assert_close(out.float(), exact.float(), rtol=2**-7, atol=1e-30)
+    assert (out != exact).float().mean() < 0.01
+    # PyTorch's own bf16 GELU: the same but where its 1 + tanh cancels (tiny values, errors below 1e-5).
+    torch.testing.assert_close(out, F.gelu(gate, approximate="tanh").mul_(up), rtol=2**-7, atol=1e-5)
+
+
 def test_declines_what_it_cannot_run():
     x = torch.randn(4, 64)
     assert cpu_fused.add_rms_norm(x, x, torch.ones(64), 1e-5) is None  # fp32: PyTorch's path
@@ -67,6 +84,7 @@ def test_declines_what_it_cannot_run():
     assert cpu_fused.add_rms_norm(xb.t(), xb.t(), torch.ones(4, dtype=BF16), 1e-5) is None  # strided
     assert cpu_fused.silu_mul(torch.randn(4, 64)) is None  # fp32
     assert cpu_fused.silu_mul(torch.randn(4, 63).to(BF16)) is None  # no even split into gate and up
+    assert cpu_fused.gelu_tanh_mul(torch.randn(4, 64)) is None  # fp32
     rotary = RotaryEmbedding(64, 128, 10000.0)
     assert not cpu_fused.rotary_(x.view(4, 1, 64), torch.arange(4), rotary.cos, rotary.sin)
     odd_heads = torch.randn(4, 64, 2).to(BF16).transpose(1, 2)  # head_dim not contiguous

@@ -1,6 +1,8 @@
 /* A Llama-family decoder's forward pass for a step of tokens (decode steps, speculative drafts, prompts of up
  * to a few hundred tokens), bf16, all layers in one call; and several decode steps in one call
- * (decoder_generate).
+ * (decoder_generate). Layers may take the variants of other families (struct decoder_layer): q/k RMSNorms,
+ * norms on the sublayers' outputs, no norm before a sublayer, GELU-tanh, sliding windows, soft-capping, their
+ * own attention scale and rotary tables.
  *
  * At batch 1 a decode step reads every weight once; the arithmetic is the kernels' (linear_bf16.c,
  * linear_quant.c, paged_decode.c, fused_ops.c, kv_store.c). What one call saves is the interpreter: a step
@@ -80,17 +82,27 @@ struct extend_op {
     const int32_t *query_start_loc, *seq_lens, *tables;
 };
 
+/* A layer: Llama's, unless its variants say otherwise (kernels/cpu/decoder.py: DecoderLayer). Norms are bf16
+ * RMSNorms as rms_norm_bf16 rounds them; a null norm is none. */
 struct decoder_layer {
-    const uint16_t *input_norm, *post_norm;
+    const uint16_t *input_norm; /* before attention, the residual add fused (null: attention reads the stream) */
+    const uint16_t *post_norm;  /* before the MLP, likewise (null: the MLP reads the stream) */
     struct linear_op qkv, o, gate_up, down;
     uint16_t *k_cache, *v_cache;
+    const uint16_t *q_norm, *k_norm; /* before the rotation: over each head ([head_dim]) or, with qk_norm_whole,
+                                        over the whole projection ([heads * head_dim], [kv_heads * head_dim]) */
+    int qk_norm_whole;
+    const uint16_t *post_attn_norm, *post_mlp_norm; /* on a sublayer's output, before the residual add */
+    int window;                                     /* sliding window in keys (0: none) */
+    float softcap, scale;                           /* attention logit cap (0: none) and scale */
+    int gelu;                                       /* GELU-tanh in the MLP instead of SiLU */
+    const float *cos, *sin;                         /* this layer's rotary tables, as RotaryEmbedding's */
 };
 
 struct decoder {
     int num_layers, hidden, heads, kv_heads, head_dim, intermediate, block_size;
     long num_slots;
-    float eps, scale;
-    const float *cos, *sin;
+    float eps;
     const uint16_t *final_norm;
     const struct decoder_layer *layers;
 };
@@ -135,18 +147,62 @@ void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int rows, int width, 
     }
 }
 
+/* out [rows, width] <- gelu_tanh(gate) * up of gate_up [rows, 2 * width] (Gemma's MLP), rounded as PyTorch rounds
+ * F.gelu(gate, approximate="tanh").mul_(up): the GELU to bf16, then the product. 0.5 x (1 + tanh(u)) as
+ * x * sigmoid(2u), with exp(-|2u|) <= 1 from expf_nonpositive, so the loop vectorises and the far negative side
+ * keeps its digits (1 + tanh(u) cancels there); within a bf16 ulp of the exact GELU. */
+void gelu_tanh_mul_bf16(const uint16_t *gate_up, uint16_t *out, int rows, int width, int num_threads) {
+#pragma omp parallel for if ((long)rows * width >= (1L << 13)) num_threads(num_threads)
+    for (int r = 0; r < rows; r++) {
+        const uint16_t *g = gate_up + (long)r * 2 * width, *u = g + width;
+        uint16_t *o = out + (long)r * width;
+        for (int i = 0; i < width; i++) {
+            float x = bf16_to_float(g[i]), z = 1.5957691216057308f * (x + 0.044715f * x * x * x);
+            float a = z < 0.f ? z : -z, e = a < -87.f ? 0.f : expf_nonpositive(a);
+            float gelu = bf16_to_float(float_to_bf16(x * ((z < 0.f ? e : 1.f) / (1.f + e))));
+            o[i] = float_to_bf16(gelu * bf16_to_float(u[i]));
+        }
+    }
+}
+
+/* sum <- x + residual, rounded as PyTorch adds bf16 tensors. [rows, width] contiguous. */
+static void add_bf16(const uint16_t *x, const uint16_t *residual, uint16_t *sum, int rows, int width, int threads) {
+#pragma omp parallel for if ((long)rows * width >= (1L << 13)) num_threads(threads)
+    for (int r = 0; r < rows; r++)
+        for (long i = (long)r * width; i < (long)(r + 1) * width; i++)
+            sum[i] = float_to_bf16(bf16_to_float(x[i]) + bf16_to_float(residual[i]));
+}
+
+/* The layer's q/k RMSNorms on each token's row of qkv, in place: per head, or over the whole q and k. */
+static void qk_norms(const struct decoder *d, const struct decoder_layer *layer, uint16_t *qkv, long qkv_row, int m,
+                     int threads) {
+    int D = d->head_dim, q_width = d->heads * D;
+#pragma omp parallel for if ((long)m * qkv_row >= (1L << 13)) num_threads(threads)
+    for (int t = 0; t < m; t++) {
+        uint16_t *q = qkv + t * qkv_row, *k = q + q_width;
+        if (layer->qk_norm_whole) {
+            if (layer->q_norm) rms_norm_bf16(q, layer->q_norm, q, 1, q_width, d->eps);
+            if (layer->k_norm) rms_norm_bf16(k, layer->k_norm, k, 1, d->kv_heads * D, d->eps);
+        } else {
+            if (layer->q_norm) rms_norm_bf16(q, layer->q_norm, q, d->heads, D, d->eps);
+            if (layer->k_norm) rms_norm_bf16(k, layer->k_norm, k, d->kv_heads, D, d->eps);
+        }
+    }
+}
+
 /* The step's attention into attn [m, heads D]: each token a query of the decode kernel over the first lens[t]
  * cached tokens of its sequence, but for the sequences `extend` gives the extend kernel (where it runs here;
  * where it does not, they are decode queries too, as in the layer path). */
 static int attend(const struct decoder *d, const struct decoder_layer *layer, const uint16_t *qkv, long qkv_row,
                   int m, const int32_t *tables, int max_blocks, const int32_t *lens, const struct extend_op *extend,
                   uint16_t *attn, int threads) {
-    int D = d->head_dim, q_width = d->heads * D;
+    int D = d->head_dim, q_width = d->heads * D, window = layer->window;
+    float scale = layer->scale, cap = layer->softcap;
     if (!extend || paged_extend(qkv, qkv_row, layer->k_cache, layer->v_cache, extend->tables, extend->max_blocks,
                                 extend->query_start_loc, extend->seq_lens, attn, extend->batch, d->heads,
-                                d->kv_heads, D, d->block_size, extend->lo, extend->hi, d->scale, 0, 0.f, threads))
+                                d->kv_heads, D, d->block_size, extend->lo, extend->hi, scale, window, cap, threads))
         return paged_decode(qkv, qkv_row, layer->k_cache, layer->v_cache, tables, max_blocks, lens, attn, m, d->heads,
-                            d->kv_heads, D, d->block_size, 1, d->scale, 0, 0.f, threads);
+                            d->kv_heads, D, d->block_size, 1, scale, window, cap, threads);
     /* The other sequences' tokens, a run of consecutive rows at a time. */
     const int32_t *starts = extend->query_start_loc;
     for (int b = 0, first = 0; b <= extend->batch; b++) {
@@ -158,7 +214,7 @@ static int attend(const struct decoder *d, const struct decoder_layer *layer, co
             int status = paged_decode(qkv + (long)first * qkv_row, qkv_row, layer->k_cache, layer->v_cache,
                                       tables + (long)first * max_blocks, max_blocks, lens + first,
                                       attn + (long)first * q_width, rows, d->heads, d->kv_heads, D, d->block_size, 1,
-                                      d->scale, 0, 0.f, threads);
+                                      scale, window, cap, threads);
             if (status) return status;
         }
         if (b < extend->batch) first = starts[b + 1];
@@ -179,15 +235,19 @@ int decoder_forward(const struct decoder *d, uint16_t *hidden, int m, const int6
     long qkv_row = q_width + 2L * kv_width;
     for (int l = 0; l < d->num_layers; l++) {
         const struct decoder_layer *layer = &d->layers[l];
+        /* the stream (residual) takes the last sublayer's output (hidden); attention reads its norm, or it */
         if (l == 0) {
             memcpy(residual, hidden, sizeof(uint16_t) * m * H);
-            rms_norm_bf16(hidden, layer->input_norm, normed, m, H, d->eps);
-        } else {
+            if (layer->input_norm) rms_norm_bf16(hidden, layer->input_norm, normed, m, H, d->eps);
+        } else if (layer->input_norm) {
             add_rms_norm_bf16(hidden, residual, residual, layer->input_norm, normed, m, H, d->eps, threads);
+        } else {
+            add_bf16(hidden, residual, residual, m, H, threads);
         }
-        int status = linear(&layer->qkv, normed, H, m, qkv, threads);
+        int status = linear(&layer->qkv, layer->input_norm ? normed : residual, H, m, qkv, threads);
         if (status) return status;
-        rotary_bf16(qkv, qkv_row, positions, d->cos, d->sin, m, d->heads + d->kv_heads, D, threads);
+        if (layer->q_norm || layer->k_norm) qk_norms(d, layer, qkv, qkv_row, m, threads);
+        rotary_bf16(qkv, qkv_row, positions, layer->cos, layer->sin, m, d->heads + d->kv_heads, D, threads);
         status = store_kv((const char *)(qkv + q_width), qkv_row * 2, (const char *)(qkv + q_width + kv_width),
                           qkv_row * 2, (char *)layer->k_cache, (char *)layer->v_cache, slots, m, d->num_slots,
                           kv_width * 2);
@@ -195,10 +255,19 @@ int decoder_forward(const struct decoder *d, uint16_t *hidden, int m, const int6
         status = attend(d, layer, qkv, qkv_row, m, tables, max_blocks, lens, extend, attn, threads);
         if (status) return status;
         if ((status = linear(&layer->o, attn, q_width, m, hidden, threads))) return status;
-        add_rms_norm_bf16(hidden, residual, residual, layer->post_norm, normed, m, H, d->eps, threads);
-        if ((status = linear(&layer->gate_up, normed, H, m, gate_up, threads))) return status;
-        silu_mul_bf16(gate_up, act, m, d->intermediate, threads);
+        if (layer->post_attn_norm) rms_norm_bf16(hidden, layer->post_attn_norm, hidden, m, H, d->eps);
+        if (layer->post_norm)
+            add_rms_norm_bf16(hidden, residual, residual, layer->post_norm, normed, m, H, d->eps, threads);
+        else
+            add_bf16(hidden, residual, residual, m, H, threads);
+        if ((status = linear(&layer->gate_up, layer->post_norm ? normed : residual, H, m, gate_up, threads)))
+            return status;
+        if (layer->gelu)
+            gelu_tanh_mul_bf16(gate_up, act, m, d->intermediate, threads);
+        else
+            silu_mul_bf16(gate_up, act, m, d->intermediate, threads);
         if ((status = linear(&layer->down, act, d->intermediate, m, hidden, threads))) return status;
+        if (layer->post_mlp_norm) rms_norm_bf16(hidden, layer->post_mlp_norm, hidden, m, H, d->eps);
     }
     add_rms_norm_bf16(hidden, residual, residual, d->final_norm, normed, m, H, d->eps, threads);
     memcpy(hidden, normed, sizeof(uint16_t) * m * H);
