@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from inference_engine.attention import AttentionMetadata
 from kernels.cpu import attention as cpu_attention
+from kernels.reference import paged_decode_attention_ref, paged_extend_attention_ref
 from kernels.timing import best_time
 
 # Chunks of up to this many new tokens always run on the native kernel, one query a token, and so can run in
@@ -56,10 +57,9 @@ def forward(
     """`window`: keys a query sees, itself included (0: all before it); `softcap`: attention logits go
     through softcap * tanh(logit / softcap) (0: as they are)."""
     store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    if window or softcap:
-        return variant_reference(q, k_cache, v_cache, meta, scale, window, softcap)
+    variant = {"window": window, "softcap": softcap}
     if meta.decode_only:
-        return _decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+        return _decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, **variant)
     starts = list(accumulate(meta.query_lens, initial=0))
     limit = native_limit(meta, q.shape[1], k_cache.shape[2], q.shape[2], q.dtype)
     out = torch.empty_like(q)
@@ -74,19 +74,22 @@ def forward(
         scale,
         out,
         (NATIVE_QUERY_MIN + 1, limit),
+        **variant,
     ):
         extended = {b for b, n in enumerate(meta.query_lens) if NATIVE_QUERY_MIN < n <= limit}
     # The rest up to the limit as one-token queries of the decode kernel, each up to its own position.
     by_token = [b for b, n in enumerate(meta.query_lens) if n <= limit and b not in extended]
     if not extended and len(by_token) == len(meta.query_lens):
-        native = cpu_attention.paged_decode(q, k_cache, v_cache, *meta.per_token(), scale)
+        native = cpu_attention.paged_decode(q, k_cache, v_cache, *meta.per_token(), scale, **variant)
         if native is not None:
             return native
         by_token = []
     if by_token:
         rows = torch.cat([torch.arange(starts[b], starts[b + 1], device=q.device) for b in by_token])
         tables, lens = meta.per_token()
-        native = cpu_attention.paged_decode(q[rows], k_cache, v_cache, tables[rows], lens[rows], scale)
+        native = cpu_attention.paged_decode(
+            q[rows], k_cache, v_cache, tables[rows], lens[rows], scale, **variant
+        )
         if native is None:
             by_token = []
         else:
@@ -96,18 +99,30 @@ def forward(
     if decodes:
         rows = [starts[b] for b in decodes]
         out[rows] = _decode(
-            q[rows], k_cache, v_cache, meta.block_tables[decodes], meta.seq_lens[decodes], scale
+            q[rows], k_cache, v_cache, meta.block_tables[decodes], meta.seq_lens[decodes], scale, **variant
         )
     for b, (q_len, ctx_len) in enumerate(zip(meta.query_lens, meta.context_lens, strict=True)):
         if q_len == 1 or b in done:
             continue
         start, end = starts[b], starts[b + 1]
+        if softcap:  # SDPA does not take it
+            chunk = torch.tensor([0, q_len], dtype=torch.int32)
+            tables, lens = meta.block_tables[b : b + 1], meta.seq_lens[b : b + 1]
+            out[start:end] = paged_extend_attention_ref(
+                q[start:end], k_cache, v_cache, tables, chunk, lens, scale, q_len, **variant
+            )
+            continue
         if ctx_len == 0:
-            keys, values, mask, causal = k[start:end], v[start:end], None, True
+            keys, values = k[start:end], v[start:end]
         else:
             keys, values = _gather(k_cache, v_cache, meta.block_tables[b], ctx_len + q_len)
+        mask, causal = None, True
+        if ctx_len or window:
             pos_q = torch.arange(ctx_len, ctx_len + q_len, device=q.device).unsqueeze(1)
-            mask, causal = torch.arange(ctx_len + q_len, device=q.device).unsqueeze(0) <= pos_q, False
+            pos_k = torch.arange(ctx_len + q_len, device=q.device).unsqueeze(0)
+            mask, causal = pos_k <= pos_q, False
+            if window:
+                mask &= pos_k > pos_q - window
         out[start:end] = _sdpa(q[start:end], keys, values, mask, causal, scale)
     return out
 
@@ -181,11 +196,13 @@ def _gather(k_cache, v_cache, block_table: torch.Tensor, length: int):
 
 
 def _decode(
-    q, k_cache, v_cache, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float
+    q, k_cache, v_cache, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, **variant
 ) -> torch.Tensor:
-    out = cpu_attention.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    out = cpu_attention.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, **variant)
     if out is not None:
         return out
+    if variant["window"] or variant["softcap"]:
+        return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, **variant)
     return decode_reference(q, k_cache, v_cache, block_tables, seq_lens, scale)
 
 
@@ -208,40 +225,6 @@ def decode_reference(
     grouped = q.reshape(batch, kv_heads, heads // kv_heads, dim)
     out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=bias, scale=scale)
     return out.reshape(batch, heads, dim)
-
-
-def variant_reference(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    window: int,
-    softcap: float,
-) -> torch.Tensor:
-    """Causal attention with a sliding window and/or logit soft-capping, in fp32 PyTorch ops, sequence by
-    sequence: the path of kernels that take neither, and their reference. Only keys inside a window are
-    gathered."""
-    out = torch.empty_like(q)
-    heads, kv_heads = q.shape[1], k_cache.shape[2]
-    starts = list(accumulate(meta.query_lens, initial=0))
-    for b, (q_len, ctx_len) in enumerate(zip(meta.query_lens, meta.context_lens, strict=True)):
-        total = ctx_len + q_len
-        first = max(0, ctx_len - window + 1) if window else 0
-        keys, values = _gather(k_cache, v_cache, meta.block_tables[b], total)
-        keys = keys[first:].float().transpose(0, 1).repeat_interleave(heads // kv_heads, 0)
-        values = values[first:].float().transpose(0, 1).repeat_interleave(heads // kv_heads, 0)
-        pos_q = torch.arange(ctx_len, total, device=q.device).unsqueeze(1)
-        pos_k = torch.arange(first, total, device=q.device).unsqueeze(0)
-        allowed = pos_k <= pos_q
-        if window:
-            allowed &= pos_k > pos_q - window
-        scores = q[starts[b] : starts[b + 1]].float().transpose(0, 1) @ keys.transpose(1, 2) * scale
-        if softcap:
-            scores = torch.tanh(scores / softcap) * softcap
-        probs = scores.masked_fill_(~allowed, float("-inf")).softmax(-1)
-        out[starts[b] : starts[b + 1]] = (probs @ values).transpose(0, 1).to(q.dtype)
-    return out
 
 
 def _sdpa(q, k, v, mask, causal: bool, scale: float) -> torch.Tensor:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from inference_engine.attention import AttentionMetadata
-from inference_engine.attention.torch_backend import variant_reference
 from kernels.triton import paged_decode_attention, paged_extend_attention, store_kvcache
 
 
@@ -21,12 +20,27 @@ def forward(
     softcap: float = 0.0,
 ) -> torch.Tensor:
     store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
-    if window or softcap:
-        return variant_reference(q, k_cache, v_cache, meta, scale, window, softcap)
     if meta.decode_only:
         return paged_decode_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, meta.num_splits
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            scale,
+            meta.num_splits,
+            window=window,
+            softcap=softcap,
         )
     return paged_extend_attention(
-        q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale, meta.max_query_len
+        q,
+        k_cache,
+        v_cache,
+        meta.block_tables,
+        meta.query_start_loc,
+        meta.seq_lens,
+        scale,
+        meta.max_query_len,
+        window=window,
+        softcap=softcap,
     )

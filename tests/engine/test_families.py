@@ -21,9 +21,8 @@ TEXTS = [
     "def quicksort(arr):\n    ",
     "1, 1, 2, 3, 5, 8, 13,",
 ]
-# The Triton interpreter runs each kernel launch in Python: the families whose attention differs in the
-# kernels run in the suite, the rest with `-m slow`.
-TRITON_SUITE = {"mistral", "gemma2", "gemma3"}
+# The Triton interpreter runs each kernel launch in Python: one family in the suite, all with `-m slow`.
+TRITON_SUITE = {"gemma2"}  # a window, both soft-caps, GELU and sandwich norms
 
 
 def _run(family: str, backend: str, texts: list[str]) -> None:
