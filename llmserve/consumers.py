@@ -258,7 +258,11 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
         try:
             try:
                 stream = await bus.async_client().generate(
-                    request.model, params=request.params, messages=request.messages, tools=request.tools
+                    request.model,
+                    params=request.params,
+                    messages=request.messages,
+                    tools=request.tools,
+                    chat_options=request.chat_options,
                 )
             except ModelNotFoundError:
                 raise ChatError.from_api(errors.model_not_served(request.model, configured)) from None

@@ -24,7 +24,7 @@ from inference_engine.bus.protocol import RequestDelta
 from inference_engine.errors import EngineError, ModelNotFoundError
 from llmserve import bus, lookups, metrics
 from llmserve.api import errors
-from llmserve.api.responses import Echo, ResponseBuilder, bus_ids, likeliest
+from llmserve.api.responses import Echo, ResponseBuilder, bus_ids
 from llmserve.api.schema import GenerationRequest
 
 log = logging.getLogger("llmserve.api")
@@ -141,10 +141,7 @@ async def respond(request: GenerationRequest) -> HttpResponse:
             pass
     finally:
         await submitted.abort()  # a cancelled view (client gone) leaves nothing running
-    results = [await s.result() for s in submitted.streams]
-    if request.best_of is not None:
-        results = [likeliest(result, request.n) for result in results]
-    return JsonResponse(builder.full(results))
+    return JsonResponse(builder.full([await s.result() for s in submitted.streams]))
 
 
 async def _echoes(submitted: Submitted) -> list[Echo]:

@@ -358,6 +358,8 @@ class ResponseBuilder:
 
     def full(self, results: GenerationResult | list[GenerationResult]) -> dict[str, Any]:
         results = [results] if isinstance(results, GenerationResult) else results
+        if self.request.best_of is not None:
+            results = [likeliest(result, self.request.n) for result in results]
         choices = []
         for prompt, result in enumerate(results):
             for out in result.outputs:

@@ -91,6 +91,7 @@ class BusThread:
                     request.params,
                     messages=request.messages,
                     tools=request.tools,
+                    chat_options=request.api.chat_options if request.api is not None else None,
                     request_id=flight.request_id,
                     priority=self.priority,
                 )
