@@ -4,11 +4,12 @@ Celery worker — kept running until Ctrl-C or SIGTERM stops it cleanly.
 Each service runs in its own process group (its own session), so a terminal's Ctrl-C reaches only this
 launcher. A service that dies is restarted: at once the first time, then after 1, 2, 4 ... (at most 30)
 seconds while it keeps dying, the count starting over once it has run for a minute. Whatever its process
-group still holds is killed first (an engine left behind by its dead supervisor, a Celery pool child). Redis
-comes back on the same port; the engines and the web tier reconnect by themselves. On Ctrl-C or SIGTERM the
-services stop in reverse order (web first, Redis last), each group killed after a grace period: no stray
-processes. The web workers stop together and drain first (`hostproject.server`): the answers they stream
-finish, for up to ``LLMSERVE_SHUTDOWN_GRACE`` seconds (default 30), while the engine still runs.
+group still holds is killed first (a Celery pool child), except for the engine supervisor's: its engines serve
+on and the next supervisor adopts them (`inference_engine.bus.supervisor`). Redis comes back on the same
+port; the engines and the web tier reconnect by themselves. On Ctrl-C or SIGTERM the services stop in reverse
+order (web first, Redis last), each group killed after a grace period: no stray processes. The web workers
+stop together and drain first (`hostproject.server`): the answers they stream finish, for up to
+``LLMSERVE_SHUTDOWN_GRACE`` seconds (default 30), while the engine still runs.
 
 The web port is bound here and handed to each web worker (``--web-workers N``, default 1), so several
 daphne processes share it and the port keeps accepting connections while a worker restarts; rate limits
@@ -49,6 +50,7 @@ import urllib.request
 from pathlib import Path
 
 from inference_engine.bus.redis_server import free_port
+from inference_engine.bus.supervisor import ADOPT_GROUP_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_NAME = "SmolLM2-135M-Instruct"  # served name of the bundled default model
@@ -67,9 +69,18 @@ class Service:
     with backoff when it dies (see the module docstring)."""
 
     def __init__(
-        self, name: str, cmd: list[str], env: dict[str, str], log_dir: Path, pass_fds: tuple[int, ...] = ()
+        self,
+        name: str,
+        cmd: list[str],
+        env: dict[str, str],
+        log_dir: Path,
+        pass_fds: tuple[int, ...] = (),
+        adopts: bool = False,
     ) -> None:
-        self.name, self.cmd, self.env, self.pass_fds = name, cmd, env, pass_fds
+        """`adopts`: the service is the engine supervisor, whose engines outlive it (their process group is
+        left running and named to its successor, which adopts them; it is killed only at the end)."""
+        self.name, self.cmd, self.env, self.pass_fds, self.adopts = name, cmd, env, pass_fds, adopts
+        self.left_groups: list[int] = []
         self.log_path = log_dir / f"{name}.log"
         self.failures = 0
         self.restart_at: float | None = None
@@ -96,7 +107,11 @@ class Service:
         if self.restart_at is None:
             if self.process.poll() is None:
                 return
-            _kill_group(self.process)
+            if self.adopts:
+                self.left_groups.append(self.process.pid)
+                self.env = {**self.env, ADOPT_GROUP_ENV: ",".join(map(str, self.left_groups))}
+            else:
+                _kill_group(self.process)
             if now - self.started > STABLE_AFTER:
                 self.failures = 0
             delay = 0.0 if self.failures == 0 else min(MAX_RESTART_DELAY, 2.0 ** (self.failures - 1))
@@ -141,6 +156,9 @@ class Service:
             except subprocess.TimeoutExpired:
                 print(f"{self.name} did not stop within {grace:.0f}s; killing it", file=sys.stderr)
         _kill_group(self.process)
+        for group in self.left_groups:  # what the last supervisor adopted and stopped, or left over
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGKILL)
 
 
 def _kill_group(process: subprocess.Popen) -> None:
@@ -295,7 +313,8 @@ def run(
         if env.get("LLMSERVE_ENGINE_SPARE", "1") != "0":
             engine_cmd.append("--spares")
         engine_cmd += shlex.split(env.get("LLMSERVE_ENGINE_FLAGS", "")) + list(flags)
-        services.append(Service("engine", engine_cmd, env, log_dir))  # loads the model while the rest starts
+        # The engine loads the model while the rest starts.
+        services.append(Service("engine", engine_cmd, env, log_dir, adopts=True))
         _prepare_database(served, model)
         celery_cmd = [python, "-m", "celery", "-A", "hostproject", "worker", "--loglevel", "INFO"]
         services.append(Service("celery", [*celery_cmd, "--concurrency", "2"], env, log_dir))

@@ -11,10 +11,17 @@ With ``spares`` the supervisor also keeps one standby process per model (`serve 
 on the bus), started once the model has served for a while. When the serving process dies, the spare takes
 over at once (a signal puts it on the bus) instead of the model being loaded anew, and a new spare is started.
 Loading a model takes seconds to minutes; this turns an engine crash into an outage of about one poll.
+
+The engines outlive their supervisor: a supervisor started with ``LLMSERVE_ADOPT_GROUP`` set to the process
+groups (comma-separated) of those that died before it (the launcher sets it when it restarts one) adopts the
+``serve`` processes there, serving and spare, instead of loading their models again, so its death interrupts
+no request. It watches them through /proc (only their dead parent could wait for them) and restarts them, if
+they die later, with its own default engine arguments.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -25,6 +32,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -39,6 +47,7 @@ CONTROL_GROUP = "supervisor"
 MAX_QUICK_RESTARTS = 5  # a child that keeps dying within a minute is given up on
 RESTART_DELAYS = (0.0, 1.0, 2.0, 4.0, 8.0)  # seconds before the 1st, 2nd, ... restart within a minute
 SPARE_AFTER = 10.0  # seconds a model serves before its spare starts loading (not competing with its start)
+ADOPT_GROUP_ENV = "LLMSERVE_ADOPT_GROUP"  # see the module docstring
 
 
 @dataclass
@@ -46,12 +55,67 @@ class _Child:
     name: str
     model: str | None
     engine_args: dict[str, Any]
-    process: subprocess.Popen
+    process: subprocess.Popen | Adopted
     restarts: list[float] = field(default_factory=list)
     state: str = "running"  # "running" | "restarting" (at `restart_at`) | "failed"
     restart_at: float = 0.0
     started: float = field(default_factory=time.monotonic)
-    spare: subprocess.Popen | None = None  # a standby `serve` process, model loaded, waiting for SIGUSR1
+    spare: subprocess.Popen | Adopted | None = None  # a standby `serve` process, loaded, waiting for SIGUSR1
+
+
+class Adopted:
+    """A `serve` process an earlier supervisor started, with the `subprocess.Popen` methods the supervisor
+    uses. Its exit status goes to its new parent (init), so `returncode` is -1 once it is gone."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.returncode = pid, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and not _running(self.pid):
+            self.returncode = -1
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
+            time.sleep(0.05)
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _serve_processes(group: int) -> list[tuple[int, list[str]]]:
+    """(pid, argv) of the `python -m inference_engine serve` processes in a process group."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            pgrp = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[2])
+            argv = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if pgrp == group and argv[1:4] == ["-m", "inference_engine", "serve"] and _running(int(proc.name)):
+            found.append((int(proc.name), argv))
+    return found
+
+
+def _flag(argv: list[str], name: str) -> str | None:
+    return argv[argv.index(name) + 1] if name in argv[:-1] else None
 
 
 def serve_command(
@@ -95,6 +159,53 @@ class Supervisor:
         self.redis = redis.Redis.from_url(redis_url, decode_responses=True, socket_timeout=10)
         self.children: dict[str, _Child] = {}
         self._stopping = threading.Event()
+        for group in os.environ.get(ADOPT_GROUP_ENV, "").split(","):
+            if group.isdigit():
+                self.adopt(int(group))
+
+    def adopt(self, group: int) -> None:
+        """Take over the `serve` processes a dead supervisor left in process group `group` (see the module
+        docstring): per model, the one serving (a spare that took over still has ``--standby`` in its command
+        line: its live replica on the bus tells) and its spare; a model with only a spare left gets it on the
+        bus; anything more is stopped."""
+        found: dict[str, list[tuple[int, list[str]]]] = {}
+        for pid, argv in _serve_processes(group):
+            name = _flag(argv, "--served-model-name")
+            if name is None:  # nothing this supervisor would have started
+                os.kill(pid, signal.SIGTERM)
+                continue
+            found.setdefault(name, []).append((pid, argv))
+        now = time.monotonic()
+        for name, processes in found.items():
+            live = self._serving_pids(name)
+            processes.sort(key=lambda p: ("--standby" in p[1] and p[0] not in live, p[0]))
+            (pid, argv), *rest = processes
+            if "--standby" in argv and pid not in live:  # its serving process died too
+                os.kill(pid, signal.SIGUSR1)
+            child = _Child(name, _flag(argv, "--model"), {}, Adopted(pid), started=now)
+            if rest:
+                child.spare = Adopted(rest[0][0])
+            for extra, _ in rest[1:]:
+                os.kill(extra, signal.SIGTERM)
+            self.children[name] = child
+            spare = rest[0][0] if rest else None
+            log.warning("adopted %r (pid %s, spare %s) from a supervisor that died", name, pid, spare)
+
+    def _serving_pids(self, model: str) -> set[int]:
+        """Pids of this host's processes with a live replica of `model` on the bus."""
+        host = socket.gethostname()
+        try:
+            replicas = sorted(self.redis.smembers(self.keys.replicas(model)))
+            beats = self.redis.mget([self.keys.replica(r) for r in replicas]) if replicas else []
+        except redis.RedisError:
+            return set()
+        live = [r for r, beat in zip(replicas, beats, strict=True) if beat is not None]
+        prefix = f"{host}-"
+        return {
+            int(r[len(prefix) :].split("-", 1)[0])
+            for r in live
+            if r.startswith(prefix) and r[len(prefix) :].split("-", 1)[0].isdigit()
+        }
 
     def stop(self) -> None:
         self._stopping.set()

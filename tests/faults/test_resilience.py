@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+from pathlib import Path
 
 import pytest
 
@@ -17,8 +18,8 @@ from .stack import MODEL, LauncherStack
 
 pytestmark = pytest.mark.timeout(300)
 
-# Still streaming when the kill lands. (The streams a killed web worker was serving run to the end in the
-# engine: nobody is left to abort them. Hence the web worker is killed last.)
+# Still streaming when the kill lands. (The engine aborts a killed web worker's streams once its owner key
+# lapses, test_orphans.py; the web worker is still killed last.)
 LONG = {"max_tokens": 400, "temperature": 0, "ignore_eos": True}
 RECOVERY_LIMIT = 10.0
 SETTLE = 15.0  # seconds after a kill within which every stream it concerned has ended
@@ -104,6 +105,27 @@ def test_sigkill_the_engine_mid_load(launched: LauncherStack) -> None:
     outcomes, recovery = asyncio.run(_kill_mid_load(launched, r"inference_engine serve (?!.*--standby)"))
     _check("the engine", outcomes, recovery)
     assert all(o is not None and o.error for o in outcomes), outcomes  # its only replica died
+
+
+def test_sigkill_the_supervisor_mid_load(launched: LauncherStack) -> None:
+    """Its engines serve on, and the supervisor the launcher starts again adopts them and the spare."""
+    deadline = time.monotonic() + 240
+    while True:  # a spare has loaded the model since the last one took over (the engine's test)
+        log = launched.log("engine")
+        engines = launched.pids(r"inference_engine serve")
+        if len(engines) == 2 and log.rfind("standing by") > log.rfind("takes over"):
+            break
+        assert time.monotonic() < deadline, log[-3000:]
+        time.sleep(0.5)
+    outcomes, recovery = asyncio.run(_kill_mid_load(launched, r"inference_engine supervise"))
+    _check("the supervisor", outcomes, recovery)
+    assert all(o is None or o.complete for o in outcomes), outcomes  # nothing interrupted
+    deadline = time.monotonic() + 60
+    while "adopted" not in launched.log("engine"):
+        assert time.monotonic() < deadline, launched.log("engine")[-3000:]
+        time.sleep(0.5)
+    # The same serving process and spare, alive (children of init now, so not found by descent).
+    assert len(engines) == 2 and all(Path(f"/proc/{pid}").exists() for pid in engines), engines
 
 
 def test_sigkill_a_web_worker_mid_load(launched: LauncherStack) -> None:
