@@ -18,7 +18,20 @@ urlpatterns = [
 
 # Errors raised before a view runs (a Host outside ALLOWED_HOSTS, an unknown URL): API clients get the
 # OpenAI-shaped JSON error they can parse, people the usual pages.
-API_PATHS = ("/v1/", "/health", "/metrics", "/tokenize", "/detokenize")
+API_PATHS = (
+    "/v1/",
+    "/v2/",
+    "/health",
+    "/metrics",
+    "/tokenize",
+    "/detokenize",
+    "/tokenizer_info",
+    "/version",
+    "/ping",
+    "/score",
+    "/rerank",
+    "/openapi.json",
+)
 
 
 def bad_request(request: HttpRequest, exception: Exception) -> HttpResponse:

@@ -344,6 +344,8 @@ def test_version_ping_and_json_errors_everywhere(stack) -> None:
     for path in ("/score", "/rerank", "/v1/rerank", "/v2/rerank", "/pooling", "/v1/no/such/thing"):
         status, _, body = _call(stack, "POST", path, {"model": stack.model})
         assert status == 404 and body["error"]["code"] == "unknown_url", path
+    status, _, body = _call(stack, "GET", "/version/latest")  # no route at all: the host's JSON 404
+    assert status == 404 and body["error"]["code"] == "not_found"
 
 
 def _upload(stack, key: str, chunked: bool = False) -> tuple[int, Any]:
