@@ -56,6 +56,7 @@ FLUSH_ITEMS = 256  # ...or until this many have finished
 # until they end: if it gave up, the client would abort them under the runner now reading them. The client
 # still gives up at once when no replica of the model is alive.
 STREAM_TIMEOUT = 600.0
+OWNER_TIMEOUTS = 4  # runner timeouts a dead runner's requests are kept for its successor (see `run`)
 
 DONE_FIELDS = ["status", "runner", "finished_at", "output", "response", "prompt_tokens", "completion_tokens"]
 FAILED_FIELDS = ["status", "runner", "finished_at", "error"]
@@ -90,8 +91,13 @@ class JobRunner:
         if self.job.status not in (BulkJob.Status.RUNNING, BulkJob.Status.CANCELLING):
             return False
         self.params = requests.job_params(self.job.params) if self.job.template else None
+        # A dead runner's requests run on while another runner takes its items over and adopts them
+        # (`attach`), which takes a few runner timeouts; only requests left unadopted longer are aborted.
         settings = dataclasses.replace(
-            bus.client_settings(), ack_timeout=STREAM_TIMEOUT, stream_timeout=STREAM_TIMEOUT
+            bus.client_settings(),
+            ack_timeout=STREAM_TIMEOUT,
+            stream_timeout=STREAM_TIMEOUT,
+            owner_ttl=OWNER_TIMEOUTS * float(conf.get("BULK_RUNNER_TIMEOUT")),
         )
         self.bus = BusThread(conf.get("REDIS_URL"), settings, self.job.model, self.job.priority)
         try:
