@@ -39,6 +39,14 @@ class GemmaDecoderLayer(nn.Module):
         hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 
+    def native_norms(self) -> dict[str, torch.Tensor | None]:
+        return {
+            "input_norm": self.input_layernorm.weight,
+            "post_norm": self.pre_feedforward_layernorm.weight,
+            "post_attn_norm": self.post_attention_layernorm.weight,
+            "post_mlp_norm": self.post_feedforward_layernorm.weight,
+        }
+
 
 class Gemma2ForCausalLM(LlamaForCausalLM):
     decoder_layer = GemmaDecoderLayer

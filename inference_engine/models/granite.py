@@ -1,34 +1,38 @@
 """Granite (3.x dense): Llama layers with four multipliers from the config: embeddings scaled by
 `embedding_multiplier`, attention by `attention_multiplier` (instead of 1/sqrt(head_dim): read by the
-shared attention), each sublayer's output by `residual_multiplier` before it joins the residual stream,
-and logits divided by `logits_scaling` (read by the shared head)."""
+shared attention), logits divided by `logits_scaling` (read by the shared head), and each sublayer's output
+scaled by `residual_multiplier` before it joins the residual stream: folded here into the output
+projections' weights, so the layers are Llama's (and the native decoder's)."""
 
 from __future__ import annotations
 
-from inference_engine.attention import AttentionMetadata
+from collections.abc import Iterable, Iterator
+from dataclasses import replace
+
+import torch
+
+from inference_engine.layers.linear import Weight
 from inference_engine.model_loader import ModelConfig
-from inference_engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from inference_engine.models.llama import LlamaForCausalLM
 
 
-class GraniteDecoderLayer(LlamaDecoderLayer):
-    def __init__(self, config: ModelConfig, layer: int, rotary, backend, qk_norm: str | None) -> None:
-        super().__init__(config, layer, rotary, backend, qk_norm)
-        self.residual_multiplier = config.residual_multiplier
-
-    def forward(self, positions, hidden, residual, meta: AttentionMetadata):
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, meta) * self.residual_multiplier
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden) * self.residual_multiplier, residual
+def scaled(weight: Weight, factor: float) -> Weight:
+    """`weight` times `factor`, in the form it came in (a quantized weight's scales and offsets scale)."""
+    if isinstance(weight, torch.Tensor):
+        return weight.float() * factor
+    if hasattr(weight, "offset"):
+        return replace(weight, scale=weight.scale * factor, offset=weight.offset * factor)
+    return replace(weight, scale=weight.scale * factor)
 
 
 class GraniteForCausalLM(LlamaForCausalLM):
-    decoder_layer = GraniteDecoderLayer
-
     def __init__(self, config: ModelConfig, backend) -> None:
         super().__init__(config, backend)
         self.model.embed_scale = config.embedding_multiplier
+
+    def checkpoint_weights(self, weights: Iterable[tuple[str, Weight]]) -> Iterator[tuple[str, Weight]]:
+        factor = self.config.residual_multiplier
+        for name, tensor in weights:
+            if factor != 1.0 and name.endswith(("o_proj.weight", "down_proj.weight", "o_proj.bias")):
+                tensor = scaled(tensor, factor)
+            yield name, tensor

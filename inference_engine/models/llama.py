@@ -9,6 +9,7 @@ of all sequences in the step form one [num_tokens] batch.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, ClassVar
 
@@ -36,6 +37,8 @@ if TYPE_CHECKING:
     from kernels.cpu.decoder import Extend, NativeDecoder
 
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu_tanh")
+
+logger = logging.getLogger(__name__)
 
 
 class LlamaAttention(nn.Module):
@@ -110,16 +113,15 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.gelu:
-            gate, up = gate_up.chunk(2, dim=-1)
-            return self.down_proj(F.gelu(gate, approximate="tanh").mul_(up))
-        if self.triton is not None:
+        if self.triton is not None and not self.gelu:
             return self.down_proj(self.triton.silu_and_mul(gate_up))
-        act = cpu_fused.silu_mul(gate_up)  # bf16 on the CPU, as the native decoder computes it
+        # bf16 on the CPU, as the native decoder computes it
+        act = cpu_fused.gelu_tanh_mul(gate_up) if self.gelu else cpu_fused.silu_mul(gate_up)
         if act is not None:
             return self.down_proj(act)
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(act.mul_(up))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -144,6 +146,10 @@ class LlamaDecoderLayer(nn.Module):
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
+    def native_norms(self) -> dict[str, torch.Tensor | None]:
+        """This layer's norm weights by the place `kernels.cpu.decoder.DecoderLayer` gives them."""
+        return {"input_norm": self.input_layernorm.weight, "post_norm": self.post_attention_layernorm.weight}
+
 
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, backend, layer_cls: type[nn.Module], qk_norm: str | None) -> None:
@@ -165,18 +171,10 @@ class LlamaModel(nn.Module):
 
     def native_variants(self) -> list[str]:
         """What this model does that the native decoder does not (it then runs layer by layer)."""
-        attn, config = self.layers[0].self_attn, self.config
+        attn = self.layers[0].self_attn
         variants = {
-            "decoder layer": type(self.layers[0]) is not LlamaDecoderLayer,
-            "q/k norm": attn.qk_norm is not None,
-            "sliding window": any(layer.self_attn.window for layer in self.layers),
-            "attention soft-capping": bool(attn.softcap),
-            "attention scale": attn.scale != attn.head_dim**-0.5,
-            "GELU": self.layers[0].mlp.gelu,
             "partial rotary": attn.rotary.partial,
-            "rotary per layer": any(layer.self_attn.rotary is not attn.rotary for layer in self.layers),
-            "embedding scale": self.embed_scale != 1.0,
-            "residual multiplier": config.residual_multiplier != 1.0,
+            "decoder layer": not hasattr(self.layers[0], "native_norms"),
         }
         return [name for name, on in variants.items() if on]
 
@@ -203,25 +201,18 @@ class LlamaModel(nn.Module):
             or attn.k_cache.device.type != "cpu"
             or attn.k_cache.dtype != torch.bfloat16
             or attn.qkv_proj.tp_size != 1
-            or self.native_variants()
             or not available()
         ):
             return False
+        if variants := self.native_variants():
+            logger.info(
+                "%s runs layer by layer: the native decoder does not take its %s",
+                self.config.architecture,
+                ", ".join(variants),
+            )
+            return False
         self.native = decoder.NativeDecoder(
-            [
-                decoder.DecoderLayer(
-                    layer.input_layernorm.weight,
-                    layer.post_attention_layernorm.weight,
-                    layer.self_attn.qkv_proj.packed[0],
-                    layer.self_attn.qkv_proj.bias,
-                    layer.self_attn.o_proj.packed[0],
-                    layer.mlp.gate_up_proj.packed[0],
-                    layer.mlp.down_proj.packed[0],
-                    layer.self_attn.k_cache,
-                    layer.self_attn.v_cache,
-                )
-                for layer in self.layers
-            ],
+            [self._native_layer(layer, attn.rotary) for layer in self.layers],
             heads=attn.num_heads,
             head_dim=attn.head_dim,
             eps=self.config.rms_norm_eps,
@@ -231,6 +222,32 @@ class LlamaModel(nn.Module):
             max_rows=min(rows, NATIVE_STEP_ROWS),
         )
         return True
+
+    @staticmethod
+    def _native_layer(layer: nn.Module, rotary: RotaryEmbedding):
+        from kernels.cpu.decoder import DecoderLayer
+
+        attn = layer.self_attn
+        own_rotary = attn.rotary is not rotary
+        return DecoderLayer(
+            qkv=attn.qkv_proj.packed[0],
+            qkv_bias=attn.qkv_proj.bias,
+            o=attn.o_proj.packed[0],
+            gate_up=layer.mlp.gate_up_proj.packed[0],
+            down=layer.mlp.down_proj.packed[0],
+            k_cache=attn.k_cache,
+            v_cache=attn.v_cache,
+            q_norm=attn.q_norm.weight if attn.qk_norm else None,
+            k_norm=attn.k_norm.weight if attn.qk_norm else None,
+            qk_norm_whole=attn.qk_norm == "whole",
+            window=attn.window,
+            softcap=attn.softcap,
+            scale=attn.scale,
+            gelu=layer.mlp.gelu,
+            cos=attn.rotary.cos if own_rotary else None,
+            sin=attn.rotary.sin if own_rotary else None,
+            **layer.native_norms(),
+        )
 
     def _native_extend(self, meta: AttentionMetadata) -> Extend | bool | None:
         """The sequences whose attention goes through the extend kernel in this step, as `torch_backend`
@@ -316,8 +333,9 @@ class LlamaForCausalLM(nn.Module):
         embeddings allow."""
         if not self.model.use_native_decoder():
             return False
-        plain_logits = self.config.logits_scaling == 1.0 and not self.config.final_logit_softcapping
-        if self.lm_head.tp_size == 1 and plain_logits:
+        # `generate` samples from the head's logits and embeds each new token itself, both as they are.
+        plain = self.config.logits_scaling == 1.0 and not self.config.final_logit_softcapping
+        if self.lm_head.tp_size == 1 and plain and self.model.embed_scale == 1.0:
             head = self.lm_head.tied_to or self.lm_head
             self.model.native.attach_head(head.packed, self.model.embed_tokens.packed)
         return True

@@ -3,6 +3,7 @@ residual stream, and one RMSNorm spans the whole query and the whole key project
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from inference_engine.attention import AttentionMetadata
@@ -23,6 +24,14 @@ class Olmo2DecoderLayer(nn.Module):
         residual = hidden if residual is None else hidden + residual
         residual = residual + self.post_attention_layernorm(self.self_attn(positions, residual, meta))
         return self.post_feedforward_layernorm(self.mlp(residual)), residual
+
+    def native_norms(self) -> dict[str, torch.Tensor | None]:
+        return {
+            "input_norm": None,
+            "post_norm": None,
+            "post_attn_norm": self.post_attention_layernorm.weight,
+            "post_mlp_norm": self.post_feedforward_layernorm.weight,
+        }
 
 
 class Olmo2ForCausalLM(LlamaForCausalLM):

@@ -115,3 +115,23 @@ def test_quantized_prompt_steps_beyond_the_native_kernels_rows():
     ids = native.get_tokenizer().encode(" ".join(PROMPTS))[:NATIVE_QUERY_MIN]
     _assert_same(native, plain, [{"prompt_token_ids": ids}])
     assert decoder.max_rows >= NATIVE_QUERY_MIN and calls[0] == NATIVE_QUERY_MIN > kernel_rows
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma2", "gemma3", "olmo2", "mistral", "granite"])
+def test_families_take_the_native_decoder_with_the_layer_paths_bits(family):
+    """Each family's variants (q/k norms, sandwich and post norms, GELU-tanh, windows, soft-caps, scales,
+    per-layer rotary tables, folded multipliers) run in the native decoder, with the layer path's bits."""
+    from . import families
+
+    kwargs = {"model": str(families.folder(family)), "quantization": "none"}
+    native, plain = _pair(**kwargs)
+    tokenizer = native.get_tokenizer()
+    prompts = [{"prompt_token_ids": tokenizer.encode(p)} for p in PROMPTS[:4]]
+    params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=2, ignore_eos=True)
+    for a, b in zip(
+        native.generate(prompts, params, use_tqdm=False),
+        plain.generate(prompts, params, use_tqdm=False),
+        strict=True,
+    ):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
