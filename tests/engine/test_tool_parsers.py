@@ -10,6 +10,8 @@ import string
 
 import pytest
 
+from inference_engine.config import EngineConfig
+from inference_engine.errors import InvalidRequestError
 from inference_engine.reasoning_parsers import PARSERS as REASONING_PARSERS
 from inference_engine.reasoning_parsers import get_reasoning_parser
 from inference_engine.tool_parsers import PARSERS, get_parser
@@ -233,6 +235,11 @@ def test_an_answer_a_grammar_wrote_has_reasoning_only_where_it_opens_the_block()
 def test_unknown_reasoning_parser_names_the_known_ones() -> None:
     with pytest.raises(ValueError, match="qwen3, deepseek_r1"):
         get_reasoning_parser("granite")
+    with pytest.raises(InvalidRequestError, match=r"reasoning_parser 'granite'.*qwen3, deepseek_r1"):
+        EngineConfig(reasoning_parser="granite")
+    with pytest.raises(InvalidRequestError, match=r"tool_call_parser 'pythonic'.*hermes, llama3_json"):
+        EngineConfig(tool_call_parser="pythonic")
+    assert EngineConfig(tool_call_parser="granite", reasoning_parser="deepseek_r1").reasoning_parser
 
 
 def test_random_json_calls_round_trip() -> None:
