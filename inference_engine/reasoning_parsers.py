@@ -23,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from inference_engine.tool_parsers import _held_back
+
 START, END = "<think>", "</think>"
 
 
@@ -35,14 +37,6 @@ class ReasoningDelta:
         self.reasoning += other.reasoning
         self.content += other.content
         return self
-
-
-def _held_back(text: str, marker: str) -> int:
-    """The length of the longest end of `text` that may be the start of `marker`."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
 
 
 class ReasoningParser:
