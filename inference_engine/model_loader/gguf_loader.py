@@ -16,6 +16,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from inference_engine.config import resolve_quantization
 from inference_engine.model_loader import LoadedModel, ModelConfig, Weight, gguf_file, gguf_quant
+from inference_engine.model_loader.hf_config import model_config
 from inference_engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -26,26 +27,79 @@ DENSE_TYPES = (
     gguf.GGMLQuantizationType.BF16,
 )
 
-SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# llama.cpp's architecture names -> the Hugging Face class whose config `hf_config` reads.
+SUPPORTED_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "granite": "GraniteForCausalLM",
+}
+# Architectures whose Q/K rows llama.cpp's converter reorders for its interleaved rotation (its LlamaModel
+# and the classes built on it); the others rotate halves as transformers does and are stored as they are.
+_PERMUTED = {"llama", "granite"}
+# Gemma's converter stores its (1 + w) norms as the sum; the checkpoint convention is w.
+_OFFSET_NORMS = {"gemma3"}
+# llama.cpp's sliding-window layer pattern where the file gives none: every n-th layer is global.
+_WINDOW_PATTERN = {"gemma3": 6, "olmo2": 4}
 
-# GGUF tensor name -> Hugging Face name, with {i} for the layer index.
+# `{arch}.` metadata the mapping below reads; any other key of the architecture is refused, since it could
+# change the computation (general.* keys describe the file and are ignored).
+_KNOWN_KEYS = {
+    "vocab_size",
+    "context_length",
+    "embedding_length",
+    "feed_forward_length",
+    "block_count",
+    "attention.head_count",
+    "attention.head_count_kv",
+    "attention.key_length",
+    "attention.value_length",
+    "attention.layer_norm_rms_epsilon",
+    "attention.sliding_window",
+    "attention.sliding_window_pattern",
+    "attention.scale",
+    "rope.dimension_count",
+    "rope.freq_base",
+    "rope.freq_base_swa",
+    "rope.scaling.type",
+    "rope.scaling.factor",
+    "rope.scaling.original_context_length",
+    "rope.scaling.finetuned",
+    "attn_logit_softcapping",
+    "final_logit_softcapping",
+    "embedding_scale",
+    "residual_scale",
+    "logit_scale",
+}
+_ROPE_SCALING = ("none", "linear", "yarn")
+
+# GGUF tensor name -> Hugging Face name; per layer, the part after `blk.{i}.`.
 _NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
-    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
-    "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
-    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
-    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
-    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
-    "blk.{i}.attn_q.bias": "model.layers.{i}.self_attn.q_proj.bias",
-    "blk.{i}.attn_k.bias": "model.layers.{i}.self_attn.k_proj.bias",
-    "blk.{i}.attn_v.bias": "model.layers.{i}.self_attn.v_proj.bias",
-    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
-    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
-    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
-    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
 }
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# Gemma's ffn_norm is the norm before its MLP; its post_attention_norm is the one after attention.
+_ARCH_LAYER_NAMES = {"gemma3": {"ffn_norm": "pre_feedforward_layernorm"}}
+# Tensors that are metadata in the Hugging Face form (llama.cpp's Llama 3 rope frequency factors).
+_CONFIG_TENSORS = {"rope_freqs.weight"}
 
 # Pre-tokenizer splits per llama.cpp's `tokenizer.ggml.pre` names (regexes as in the original tokenizers).
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -69,47 +123,120 @@ def load(path: Path, quantization: str | None = None) -> LoadedModel:
             f"GGUF architecture {arch!r} is not supported (supported: {sorted(SUPPORTED_ARCHITECTURES)})."
         )
     tokenizer = _tokenizer(reader)
-    config = _config(reader, meta, arch, tokenizer)
+    config = model_config(hf_config_dict(reader, meta, arch), tokenizer.eos_token_ids)
     name = meta.get("general.name") or path.stem
-    weights = _weights(reader, config, keep_quantized=method == "gguf")
+    weights = _weights(reader, arch, config, keep_quantized=method == "gguf")
     return LoadedModel(name=name, config=config, tokenizer=tokenizer, weights=weights, quantization=method)
 
 
-def _config(reader: gguf_file.GGUFFile, meta: dict, arch: str, tokenizer: Tokenizer) -> ModelConfig:
+def hf_config_dict(reader: gguf_file.GGUFFile, meta: dict, arch: str) -> dict:
+    """The file's metadata as the config.json of the same model, read the way llama.cpp reads it (its
+    defaults where the file is silent), so that `hf_config.model_config` decides for both formats."""
+    prefix = f"{arch}."
+    unknown = sorted(k for k in meta if k.startswith(prefix) and k[len(prefix) :] not in _KNOWN_KEYS)
+    if unknown:
+        raise ValueError(f"GGUF {arch}: metadata {unknown} is not supported.")
+
     def get(key: str, default=None):
-        return meta.get(f"{arch}.{key}", default)
+        return meta.get(prefix + key, default)
 
-    hidden = get("embedding_length")
-    heads = get("attention.head_count")
-    tensor_names = {t.name for t in reader.tensors}
-    rope_scaling = None
-    if get("rope.scaling.type") == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
-    return ModelConfig(
-        architecture=SUPPORTED_ARCHITECTURES[arch],
-        vocab_size=get("vocab_size") or tokenizer.vocab_size,
-        hidden_size=hidden,
-        intermediate_size=get("feed_forward_length"),
-        num_hidden_layers=get("block_count"),
-        num_attention_heads=heads,
-        num_key_value_heads=get("attention.head_count_kv", heads),
-        head_dim=get("attention.key_length") or hidden // heads,
-        max_position_embeddings=get("context_length", 2048),
-        rms_norm_eps=get("attention.layer_norm_rms_epsilon", 1e-5),
-        rope_theta=get("rope.freq_base", 10000.0),
-        rope_scaling=rope_scaling,
-        tie_word_embeddings="output.weight" not in tensor_names,
-        attention_bias="blk.0.attn_q.bias" in tensor_names,
-        eos_token_ids=tokenizer.eos_token_ids,
-    )
+    hidden, heads, layers = get("embedding_length"), get("attention.head_count"), get("block_count")
+    for key in ("attention.head_count", "attention.head_count_kv", "feed_forward_length"):
+        if isinstance(get(key), list):
+            raise ValueError(f"GGUF {arch}: per-layer {prefix}{key} is not supported.")
+    head_dim = get("attention.key_length") or hidden // heads
+    if get("attention.value_length", head_dim) != head_dim:
+        raise ValueError(f"GGUF {arch}: {prefix}attention.value_length differs from key_length.")
+    tensors = {t.name: t for t in reader.tensors}
+    context = get("context_length", 2048)
+    raw = {
+        "architectures": [SUPPORTED_ARCHITECTURES[arch]],
+        "vocab_size": int(tensors["token_embd.weight"].shape[-1]),
+        "hidden_size": hidden,
+        "intermediate_size": get("feed_forward_length"),
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": get("attention.head_count_kv", heads),
+        "head_dim": head_dim,
+        "max_position_embeddings": context,
+        "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-5),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "attention_bias": "blk.0.attn_q.bias" in tensors,
+        "partial_rotary_factor": get("rope.dimension_count", head_dim) / head_dim,
+    }
+    rope = _rope_parameters(get, context, tensors)
+    window = get("attention.sliding_window") or 0
+    if window:
+        raw["sliding_window"] = window
+        raw["layer_types"] = _layer_types(arch, layers, get("attention.sliding_window_pattern"))
+    if arch == "gemma3":
+        # llama.cpp scales Gemma 3's attention by 1/sqrt(head_dim), by hidden/heads for the 27B (62 layers).
+        raw["query_pre_attn_scalar"] = hidden // heads if layers == 62 else head_dim
+        raw["hidden_activation"] = "gelu_pytorch_tanh"
+        raw["layer_types"] = raw.get("layer_types") or ["full_attention"] * layers
+        local = {"rope_type": "default", "rope_theta": get("rope.freq_base_swa", 10000.0)}
+        rope = {"full_attention": rope, "sliding_attention": local}
+    elif get("rope.freq_base_swa") is not None:
+        raise ValueError(f"GGUF {arch}: {prefix}rope.freq_base_swa is not supported.")
+    raw["rope_parameters"] = rope
+    raw["attn_logit_softcapping"] = get("attn_logit_softcapping")
+    raw["final_logit_softcapping"] = get("final_logit_softcapping")
+    if arch == "granite":
+        raw["attention_multiplier"] = get("attention.scale")
+        raw["embedding_multiplier"] = get("embedding_scale", 1.0)
+        raw["residual_multiplier"] = get("residual_scale", 1.0)
+        raw["logits_scaling"] = get("logit_scale", 1.0)
+    else:
+        for key in ("attention.scale", "embedding_scale", "residual_scale", "logit_scale"):
+            if get(key) is not None:
+                raise ValueError(f"GGUF {arch}: {prefix}{key} is not supported.")
+    return raw
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _rope_parameters(get, context: int, tensors: dict) -> dict:
+    kind = get("rope.scaling.type", "none")
+    if kind not in _ROPE_SCALING:
+        raise ValueError(f"GGUF rope.scaling.type {kind!r} is not supported (supported: {_ROPE_SCALING}).")
+    rope = {"rope_type": "default", "rope_theta": get("rope.freq_base", 10000.0)}
+    if kind != "none" and (get("rope.scaling.factor") or 1.0) != 1.0:
+        rope.update(rope_type=kind, factor=get("rope.scaling.factor"))
+        if kind == "yarn":
+            rope["original_max_position_embeddings"] = get("rope.scaling.original_context_length", context)
+    freqs = tensors.get("rope_freqs.weight")
+    if freqs is not None:
+        if rope["rope_type"] != "default":
+            raise ValueError("GGUF rope_freqs.weight beside rope.scaling.type is not supported.")
+        # Llama 3's scaling as llama.cpp stores it: a divisor per frequency. That is `longrope` with one list
+        # for every position (its long factors start at original_max_position_embeddings = the context).
+        factors = [float(f) for f in np.asarray(_tensor(freqs, False)).reshape(-1)]
+        rope.update(
+            rope_type="longrope",
+            short_factor=factors,
+            long_factor=factors,
+            original_max_position_embeddings=context,
+            attention_factor=1.0,
+        )
+    return rope
+
+
+def _layer_types(arch: str, layers: int, pattern) -> list[str]:
+    """Which layers slide, as llama.cpp decides: a per-layer list of flags, or every pattern-th layer global
+    (the architecture's default pattern; none: every layer slides)."""
+    if isinstance(pattern, list):
+        if len(pattern) != layers:
+            raise ValueError(f"GGUF {arch}: attention.sliding_window_pattern lists {len(pattern)} layers.")
+        flags = [bool(p) for p in pattern]
+    else:
+        n = pattern if pattern is not None else _WINDOW_PATTERN.get(arch, 0)
+        flags = [n == 0 or i % n < n - 1 for i in range(layers)]
+    return ["sliding_attention" if f else "full_attention" for f in flags]
+
+
+def _hf_name(gguf_name: str, arch: str) -> str | None:
     parts = gguf_name.split(".")
-    if parts[0] == "blk":
-        layer = parts[1]
-        template = _NAMES.get(".".join(["blk", "{i}", *parts[2:]]))
-        return template.format(i=layer) if template else None
+    if parts[0] == "blk" and len(parts) == 4:
+        part = _ARCH_LAYER_NAMES.get(arch, {}).get(parts[2]) or _LAYER_NAMES.get(parts[2])
+        return f"model.layers.{parts[1]}.{part}.{parts[3]}" if part else None
     return _NAMES.get(gguf_name)
 
 
@@ -120,17 +247,24 @@ def _unpermute_order(rows: int, n_head: int) -> np.ndarray:
 
 
 def _weights(
-    reader: gguf_file.GGUFFile, config: ModelConfig, keep_quantized: bool
+    reader: gguf_file.GGUFFile, arch: str, config: ModelConfig, keep_quantized: bool
 ) -> Iterator[tuple[str, Weight]]:
+    unknown = [
+        t.name for t in reader.tensors if t.name not in _CONFIG_TENSORS and _hf_name(t.name, arch) is None
+    ]
+    if unknown:
+        raise ValueError(f"GGUF {arch}: tensors {unknown[:5]} are not supported.")
     for tensor in reader.tensors:
-        name = _hf_name(tensor.name)
+        name = _hf_name(tensor.name, arch)
         if name is None:
             continue
         weight = _tensor(tensor, keep_quantized and name.endswith(".weight"))
+        if arch in _OFFSET_NORMS and name.endswith("norm.weight"):
+            weight = weight - 1.0  # the model adds it back (exactly, for sums of at least 0.5)
         heads = None
-        if config.architecture == "LlamaForCausalLM" and name.endswith(("q_proj.weight", "q_proj.bias")):
+        if arch in _PERMUTED and name.endswith(("q_proj.weight", "q_proj.bias")):
             heads = config.num_attention_heads
-        elif config.architecture == "LlamaForCausalLM" and name.endswith(("k_proj.weight", "k_proj.bias")):
+        elif arch in _PERMUTED and name.endswith(("k_proj.weight", "k_proj.bias")):
             heads = config.num_key_value_heads
         if heads is not None:
             order = _unpermute_order(weight.shape[0], heads)
