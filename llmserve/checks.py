@@ -50,12 +50,17 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
                     f"LLMSERVE[{key!r}] must be a positive number, got {value!r}.", id="llmserve.E004"
                 )
             )
-    open_access = values["OPEN_ACCESS"]
-    if not isinstance(open_access, bool):
-        errors.append(
-            checks.Error(
-                f"LLMSERVE['OPEN_ACCESS'] must be True or False, got {open_access!r}.", id="llmserve.E004"
+    for key in ("OPEN_ACCESS", "REJECT_UNKNOWN_FIELDS"):
+        if not isinstance(values[key], bool):
+            errors.append(
+                checks.Error(
+                    f"LLMSERVE[{key!r}] must be True or False, got {values[key]!r}.", id="llmserve.E004"
+                )
             )
+    floor = values["MIN_PRIORITY"]
+    if isinstance(floor, bool) or not isinstance(floor, int):
+        errors.append(
+            checks.Error(f"LLMSERVE['MIN_PRIORITY'] must be an integer, got {floor!r}.", id="llmserve.E004")
         )
     default_max = values["MAX_TOKENS_DEFAULT"]
     if default_max is not None and (

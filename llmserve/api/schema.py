@@ -109,7 +109,8 @@ class Fields:
     ignored: set[str] = field(default_factory=set)
 
 
-_logged: set[str] = set()
+_logged: set[str] = set()  # field names already logged (bounded: clients choose the names)
+_MAX_LOGGED = 1024
 
 
 def _stop_strings(value: str | list[str] | None) -> str | list[str] | None:
@@ -632,7 +633,7 @@ def validate(model: type[Model], body: dict[str, Any], reject_unknown: bool | No
             f"Unrecognized request argument supplied: {param}.", param=param, code="unknown_parameter"
         )
     for what, names in (("unknown", fields.unknown), ("unsupported", fields.ignored)):
-        for name in sorted(names - _logged):
+        for name in sorted(names - _logged)[: max(0, _MAX_LOGGED - len(_logged))]:
             _logged.add(name)
             log.warning("ignored the %s request field %r (logged once per field name)", what, name)
     return validated

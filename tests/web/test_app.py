@@ -302,6 +302,10 @@ def test_checks_catch_bad_settings() -> None:
     ):
         messages = checks.run_checks(tags=["compatibility"])
     assert {"llmserve.E003", "llmserve.E004"} <= _ids(messages)
+    for bad in ({"REJECT_UNKNOWN_FIELDS": 1}, {"MIN_PRIORITY": "0"}):
+        with override_settings(LLMSERVE={"REDIS_URL": "redis://x", **bad}):
+            found = [m.msg for m in checks.run_checks(tags=["compatibility"]) if m.id == "llmserve.E004"]
+        assert found and next(iter(bad)) in found[0], bad
 
 
 @pytest.mark.django_db
