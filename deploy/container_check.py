@@ -187,7 +187,7 @@ def exercise(port: int, key: str) -> None:
                 "url": "/v1/chat/completions",
                 "body": {
                     "model": MODEL,
-                    "messages": [{"role": "user", "content": f"Count to {i}."}],
+                    "messages": [{"role": "user", "content": f"Count to {i} in French (un, deux, trois…)."}],
                     "max_tokens": 8,
                 },
             }

@@ -7,6 +7,8 @@ Podman (4.3, Debian bookworm's) plays Pods, Deployments, PersistentVolumeClaims 
   Service that selects it, so that the Service's name resolves to it on the podman network as in the
   cluster; StatefulSets and then Jobs come first, since a pod's init containers run before the next pod
   is played (the web and worker pods wait for the migration Job's pod);
+- a pod with init containers restarts its containers on failure only (podman 4.3 applies the pod's restart
+  policy to the init containers as well, and would start them again once they are done);
 - a StatefulSet's volumeClaimTemplates become PersistentVolumeClaims (podman volumes);
 - a Secret becomes a podman secret (`podman secret create NAME FILE` with the JSON written here), which
   podman's secretKeyRef reads;
@@ -57,8 +59,8 @@ def _pod(workload: Doc, services: list[Doc], publish: dict[str, int]) -> tuple[D
     service = next((s for s in services if _selects(s, labels)), None)
     name = service["metadata"]["name"] if service else workload["metadata"]["name"]
     spec = template["spec"]
-    if workload["kind"] != "Job":
-        spec["restartPolicy"] = "Always"
+    if workload["kind"] != "Job":  # podman's restart policy covers init containers too: they must not rerun
+        spec["restartPolicy"] = "OnFailure" if spec.get("initContainers") else "Always"
     claims = []
     for claim in workload["spec"].get("volumeClaimTemplates", []):
         claim_name = f"{claim['metadata']['name']}-{workload['metadata']['name']}-0"

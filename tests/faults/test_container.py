@@ -202,6 +202,10 @@ def test_podman_conversion_names_pods_after_services_and_publishes_only_the_aske
         "llmserve-engine",
         "llmserve-worker",
     ]  # StatefulSets, then the Job, then Deployments; Services' names where one selects the pod
+    policies = {p["metadata"]["name"]: p["spec"]["restartPolicy"] for p in pods}
+    assert (
+        policies["llmserve-engine"] == "Always" and policies["llmserve-web"] == "OnFailure"
+    )  # init containers
     assert secrets == {"llmserve-secrets": {"database-url": "eA=="}}
     ports = [p for pod in pods for c in pod["spec"]["containers"] for p in c.get("ports", [])]
     assert ports == [{"name": "http", "containerPort": 8000, "hostPort": 18000}]
