@@ -244,7 +244,9 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
             await acheck_rate(principal)
         except RateLimited as exc:
             raise ChatError("rate_limit_exceeded", str(exc), retry_after=exc.retry_after) from None
-        request = _parse(content)
+        # Off the event loop: validating a constraint (a JSON schema, a grammar) takes up to tens of ms, which
+        # every other socket and request of this worker would wait out.
+        request = await asyncio.to_thread(_parse, content)
         config = await lookups.model_config(request.model)
         if config is not None and not config.enabled:
             raise ChatError("model_not_found", f"The model `{request.model}` is disabled.", "model")
