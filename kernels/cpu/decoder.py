@@ -83,6 +83,7 @@ class _Layer(ctypes.Structure):
         ("gelu", ctypes.c_int),
         ("cos", ctypes.c_void_p),
         ("sin", ctypes.c_void_p),
+        ("rotary_dim", ctypes.c_int),
     ]
 
 
@@ -128,10 +129,13 @@ class DecoderLayer:
     softcap: float = 0.0  # attention scores become softcap * tanh(score / softcap) (0: none)
     scale: float | None = None  # attention scale; None: head_dim ** -0.5
     gelu: bool = False  # GELU-tanh instead of SiLU in the gated MLP (Gemma)
-    # This layer's rotary tables, [max_position, head_dim] fp32 laid out as RotaryEmbedding's (Gemma 3's
+    # This layer's rotary tables, [max_position, rotary_dim] fp32 laid out as RotaryEmbedding's (Gemma 3's
     # sliding layers have their own base); None: the decoder's.
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
+    # The features of each head that turn, the first ones (partial rotation, Phi-3/4-mini); None: all.
+    # The rotary tables are [max_position, rotary_dim].
+    rotary_dim: int | None = None
 
 
 def native_rows(packed: PackedLinear) -> int:
@@ -180,7 +184,10 @@ class NativeDecoder:
         self.hidden, self.kv_heads = first.qkv.in_features, first.k_cache.shape[2]
         self.heads, self.head_dim, self.max_rows = heads, head_dim, max_rows
         self.intermediate = first.down.in_features
-        self._keep = [final_norm]
+        self._keep: list = [
+            final_norm,
+            layers,
+        ]  # the C side holds their weights', caches' and norms' addresses
         self._layers = (_Layer * len(layers))(*(self._layer(layer, cos, sin) for layer in layers))
         self.desc = _Decoder(
             len(layers),
@@ -248,8 +255,12 @@ class NativeDecoder:
         q_width, k_width = (self.heads * d, self.kv_heads * d) if layer.qk_norm_whole else (d, d)
         cos = cos if layer.cos is None else layer.cos
         sin = sin if layer.sin is None else layer.sin
-        if cos.shape != sin.shape or cos.shape[-1] != d:
-            raise ValueError(f"rotary tables must be [positions, {d}], got {cos.shape} and {sin.shape}")
+        rotary_dim = d if layer.rotary_dim is None else layer.rotary_dim
+        if not 0 < rotary_dim <= d or rotary_dim % 2 or cos.shape != sin.shape or cos.shape[-1] != rotary_dim:
+            raise ValueError(
+                f"rotary tables must be [positions, {rotary_dim}] (rotary_dim {rotary_dim}, head_dim {d}), "
+                f"got {tuple(cos.shape)} and {tuple(sin.shape)}"
+            )
         return _Layer(
             self._address(layer.input_norm, numel=hidden),
             self._address(layer.post_norm, numel=hidden),
@@ -270,6 +281,7 @@ class NativeDecoder:
             int(layer.gelu),
             self._address(cos, torch.float32),
             self._address(sin, torch.float32),
+            rotary_dim,
         )
 
     def attach_head(self, head: PackedLinear, embed: PackedLinear) -> None:

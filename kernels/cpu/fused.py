@@ -36,29 +36,33 @@ def add_rms_norm(
 
 
 def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
-    """Rotates x [tokens, heads, head_dim] (rows may be strided) in place; False where it can't run."""
-    fn = function("rotary_bf16", None, ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32)
+    """Rotates x [tokens, heads, rotary_dim] in place, with cos/sin [positions, rotary_dim]; False where it
+    can't run. Rows and heads may be strided: x may be the first rotary_dim features of each head (partial
+    rotation, ``x[..., :rotary_dim]``), the rest left alone."""
+    fn = function("rotary_heads_bf16", None, ptr, i64, i64, ptr, ptr, ptr, i32, i32, i32, i32)
     if (
         fn is None
         or x.device.type != "cpu"
         or x.dtype != torch.bfloat16
         or x.stride(2) != 1
-        or x.stride(1) != x.shape[2]
+        or x.stride(1) < x.shape[2]
         or positions.dtype != torch.int64
         or not (positions.is_contiguous() and cos.is_contiguous() and sin.is_contiguous())
         or cos.dtype != torch.float32
+        or cos.shape[-1] != x.shape[2]
     ):
         return False
-    tokens, heads, head_dim = x.shape
+    tokens, heads, rotary_dim = x.shape
     fn(
         x.data_ptr(),
         x.stride(0),
+        x.stride(1),
         positions.data_ptr(),
         cos.data_ptr(),
         sin.data_ptr(),
         tokens,
         heads,
-        head_dim,
+        rotary_dim,
         torch.get_num_threads(),
     )
     return True

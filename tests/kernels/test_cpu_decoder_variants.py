@@ -29,13 +29,13 @@ def _bf(x: torch.Tensor) -> torch.Tensor:
     return x.to(BF16).float()
 
 
-def _rope(base: float, positions: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+def _rope(base: float, dim: int = HEAD_DIM, positions: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin as RotaryEmbedding lays them out (sin's first half negated)."""
-    inv_freq = base ** -(torch.arange(0, HEAD_DIM, 2, dtype=F32) / HEAD_DIM)
+    inv_freq = base ** -(torch.arange(0, dim, 2, dtype=F32) / dim)
     angles = torch.arange(positions, dtype=F32)[:, None] * inv_freq[None, :]
     emb = torch.cat([angles, angles], dim=-1)
     sin = emb.sin()
-    sin[:, : HEAD_DIM // 2] *= -1
+    sin[:, : dim // 2] *= -1
     return emb.cos().contiguous(), sin.contiguous()
 
 
@@ -103,8 +103,10 @@ def _reference(layers: list[dict], embeddings: torch.Tensor, final_norm: torch.T
             q = _rms(q if whole else q.reshape(n, HEADS, HEAD_DIM), layer["q_norm"]).reshape(n, -1)
             k = _rms(k if whole else k.reshape(n, KV_HEADS, HEAD_DIM), layer["k_norm"]).reshape(n, -1)
         cos, sin = layer.get("cos", rope[0]), layer.get("sin", rope[1])
-        q = rotary_embedding_ref(q.reshape(n, HEADS, HEAD_DIM).to(BF16), positions, cos, sin).float()
-        k = rotary_embedding_ref(k.reshape(n, KV_HEADS, HEAD_DIM).to(BF16), positions, cos, sin).float()
+        turn = layer.get("rotary_dim", HEAD_DIM)  # the first features of each head turn, the rest stay
+        q, k = q.reshape(n, HEADS, HEAD_DIM).clone(), k.reshape(n, KV_HEADS, HEAD_DIM).clone()
+        q[..., :turn] = rotary_embedding_ref(q[..., :turn].to(BF16), positions, cos, sin).float()
+        k[..., :turn] = rotary_embedding_ref(k[..., :turn].to(BF16), positions, cos, sin).float()
         v = v.reshape(n, KV_HEADS, HEAD_DIM)
         group = HEADS // KV_HEADS
         scores = torch.einsum("qhd,khd->hqk", q, k.repeat_interleave(group, 1)) * layer.get(
@@ -183,6 +185,7 @@ def _native(layers: list[dict], embeddings: torch.Tensor, final_norm: torch.Tens
 
 NORMS = {"post_attn_norm": True, "post_mlp_norm": True}
 LOCAL = _rope(10_000.0)
+PARTIAL = _rope(10_000.0, dim=24)
 CASES = {
     "llama": [{}, {}],
     "qwen3": [{"q_norm": True, "k_norm": True}] * 2,
@@ -214,6 +217,7 @@ CASES = {
     ]
     * 2,
     "mistral": [{"window": 16}] * 2,
+    "phi": [{"rotary_dim": 24, "cos": PARTIAL[0], "sin": PARTIAL[1]}] * 2,  # Phi-4-mini's partial rotation
 }
 
 
@@ -249,6 +253,7 @@ WITHOUT = {
     "scale": ("scale",),
     "gelu": ("gelu",),
     "cos": ("cos", "sin"),
+    "rotary_dim": ("rotary_dim", "cos", "sin"),
 }
 
 
@@ -259,6 +264,8 @@ def test_every_variant_changes_the_result(gen, family):
     layers, embeddings, final_norm, rope = _inputs(gen, family)
     ref = _reference(layers, embeddings, final_norm, rope)
     for variant, fields in WITHOUT.items():
+        if variant == "cos" and any("rotary_dim" in layer for layer in layers):
+            continue  # partial rotation's tables go with it (its own entry)
         if any(variant in layer for layer in layers):
             ablated = [{k: v for k, v in layer.items() if k not in fields} for layer in layers]
             out = _native(ablated, embeddings, final_norm, rope, extend=False)

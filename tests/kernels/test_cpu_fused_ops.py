@@ -47,6 +47,20 @@ def test_rotary_matches_pytorch_exactly(monkeypatch, tokens, heads, head_dim):
     assert torch.equal(qkv[:, heads:], untouched)  # values beyond the rotated heads are left alone
 
 
+@pytest.mark.parametrize(("tokens", "heads", "head_dim", "rotary_dim"), [(5, 12, 96, 72), (40, 3, 64, 32)])
+def test_partial_rotary_matches_pytorch_exactly(monkeypatch, tokens, heads, head_dim, rotary_dim):
+    """Phi-3/4's partial rotation: the first rotary_dim features of each head turn, as a strided view."""
+    gen = torch.Generator().manual_seed(tokens)
+    rotary = RotaryEmbedding(head_dim, 4096, 10000.0, None, rotary_dim)
+    positions = torch.randint(0, 4096, (tokens,), generator=gen)
+    qkv = torch.randn(tokens, heads + 4, head_dim, generator=gen).to(BF16)
+    with monkeypatch.context() as m:
+        m.setattr(cpu_fused, "rotary_", lambda *args: False)
+        expected = rotary(positions, qkv.clone()[:, :heads])
+    assert cpu_fused.rotary_(qkv[:, :heads, :rotary_dim], positions, rotary.cos, rotary.sin)
+    assert torch.equal(qkv[:, :heads], expected)
+
+
 @pytest.mark.parametrize(("rows", "width"), [(1, 1536), (7, 100), (32, 1536), (300, 1536), (64, 4096)])
 def test_silu_mul_matches_pytorch(rows, width):
     gen = torch.Generator().manual_seed(rows * width)

@@ -2,7 +2,7 @@
  * to a few hundred tokens), bf16, all layers in one call; and several decode steps in one call
  * (decoder_generate). Layers may take the variants of other families (struct decoder_layer): q/k RMSNorms,
  * norms on the sublayers' outputs, no norm before a sublayer, GELU-tanh, sliding windows, soft-capping, their
- * own attention scale and rotary tables.
+ * own attention scale and rotary tables, partial rotation.
  *
  * At batch 1 a decode step reads every weight once; the arithmetic is the kernels' (linear_bf16.c,
  * linear_quant.c, paged_decode.c, fused_ops.c, kv_store.c). What one call saves is the interpreter: a step
@@ -26,8 +26,8 @@ int linear_quant_bf16(const struct qweight *w, const uint16_t *x, long ldx, int 
                       const uint16_t *bias, uint16_t *out, int num_threads);
 void add_rms_norm_bf16(const uint16_t *x, const uint16_t *residual, uint16_t *sum_out, const uint16_t *weight,
                        uint16_t *out, int rows, int hidden, float eps, int num_threads);
-void rotary_bf16(uint16_t *x, long row_stride, const int64_t *positions, const float *cos, const float *sin,
-                 int tokens, int heads, int head_dim, int num_threads);
+void rotary_heads_bf16(uint16_t *x, long row_stride, long head_stride, const int64_t *positions, const float *cos,
+                       const float *sin, int tokens, int heads, int rotary_dim, int num_threads);
 int store_kv(const char *k, long k_stride, const char *v, long v_stride, char *k_cache, char *v_cache,
              const int64_t *slots, int tokens, long num_slots, int row_bytes);
 int bf16_rows(const struct bf16_weight *w, const int64_t *ids, int count, int k_in, uint16_t *out);
@@ -97,6 +97,7 @@ struct decoder_layer {
     float softcap, scale;                           /* attention logit cap (0: none) and scale */
     int gelu;                                       /* GELU-tanh in the MLP instead of SiLU */
     const float *cos, *sin;                         /* this layer's rotary tables, as RotaryEmbedding's */
+    int rotary_dim;                                 /* the features of each head that turn: the first ones */
 };
 
 struct decoder {
@@ -247,7 +248,8 @@ int decoder_forward(const struct decoder *d, uint16_t *hidden, int m, const int6
         int status = linear(&layer->qkv, layer->input_norm ? normed : residual, H, m, qkv, threads);
         if (status) return status;
         if (layer->q_norm || layer->k_norm) qk_norms(d, layer, qkv, qkv_row, m, threads);
-        rotary_bf16(qkv, qkv_row, positions, layer->cos, layer->sin, m, d->heads + d->kv_heads, D, threads);
+        rotary_heads_bf16(qkv, qkv_row, D, positions, layer->cos, layer->sin, m, d->heads + d->kv_heads,
+                          layer->rotary_dim, threads);
         status = store_kv((const char *)(qkv + q_width), qkv_row * 2, (const char *)(qkv + q_width + kv_width),
                           qkv_row * 2, (char *)layer->k_cache, (char *)layer->v_cache, slots, m, d->num_slots,
                           kv_width * 2);

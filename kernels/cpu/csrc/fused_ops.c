@@ -32,16 +32,17 @@ void add_rms_norm_bf16(const uint16_t *x, const uint16_t *residual, uint16_t *su
     }
 }
 
-/* Rotate-half RoPE in place on the first `heads` heads of each token's row (queries then keys).
- * cos/sin: [max_position, head_dim] fp32, laid out as RotaryEmbedding's buffers (sin's first half negated). */
-void rotary_bf16(uint16_t *x, long row_stride, const int64_t *positions, const float *cos, const float *sin,
-                 int tokens, int heads, int head_dim, int num_threads) {
-    int half = head_dim / 2;
-#pragma omp parallel for PARALLEL_OVER(tokens, heads * head_dim)
+/* Rotate-half RoPE in place on the first rotary_dim features of the first `heads` heads (head_stride elements
+ * apart) of each token's row (queries then keys); the rest of each head is left alone (partial rotation, Phi-3/4).
+ * cos/sin: [max_position, rotary_dim] fp32, laid out as RotaryEmbedding's buffers (sin's first half negated). */
+void rotary_heads_bf16(uint16_t *x, long row_stride, long head_stride, const int64_t *positions, const float *cos,
+                       const float *sin, int tokens, int heads, int rotary_dim, int num_threads) {
+    int half = rotary_dim / 2;
+#pragma omp parallel for PARALLEL_OVER(tokens, heads * rotary_dim)
     for (int t = 0; t < tokens; t++) {
-        const float *c = cos + positions[t] * head_dim, *s = sin + positions[t] * head_dim + half;
+        const float *c = cos + positions[t] * rotary_dim, *s = sin + positions[t] * rotary_dim + half;
         for (int h = 0; h < heads; h++) {
-            uint16_t *v = x + (long)t * row_stride + (long)h * head_dim;
+            uint16_t *v = x + (long)t * row_stride + (long)h * head_stride;
             for (int i = 0; i < half; i++) {
                 float x1 = bf16_to_float(v[i]), x2 = bf16_to_float(v[i + half]);
                 float a = x1 * c[i], b = x2 * s[i], d = x2 * c[i], e = x1 * s[i];
