@@ -50,3 +50,32 @@ def test_two_services_of_one_name_share_a_log_without_truncating_it(tmp_path: Pa
         service.process.wait(30)
     log = (tmp_path / "web-1.log").read_text()
     assert "first" in log and "second" in log
+
+
+def test_the_supervisors_engines_outlive_it_until_the_launcher_stops(tmp_path: Path) -> None:
+    """The engine service (`adopts`): a dead supervisor's group is left running and named to the next start
+    (which adopts its engines); the launcher kills those groups only when it stops."""
+    marker = tmp_path / "engine.pid"
+    script = (
+        "import os, subprocess, sys, time; p = subprocess.Popen(['sleep', '60']); "
+        f"open({str(marker)!r}, 'a').write(f'{{p.pid}} {{os.environ.get(\"LLMSERVE_ADOPT_GROUP\")}}\\n'); "
+        "sys.exit(3) if not os.environ.get('LLMSERVE_ADOPT_GROUP') else time.sleep(60)"
+    )
+    service = Service("engine", [sys.executable, "-c", script], dict(os.environ), tmp_path, adopts=True)
+    first = service.process.pid
+    deadline = time.monotonic() + 30
+    while service.process.pid == first:  # dies, and is started again at once
+        service.keep_alive()
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    while len(marker.read_text().splitlines()) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    (engine, _), (_, named) = (line.split() for line in marker.read_text().splitlines())
+    assert named == str(first)  # the dead start's process group, for the next to adopt
+    assert Path(f"/proc/{engine}").exists()  # its engine serves on
+    service.stop()
+    deadline = time.monotonic() + 5
+    while Path(f"/proc/{engine}").exists() and "Z" not in Path(f"/proc/{engine}/stat").read_text():
+        assert time.monotonic() < deadline, "the left group was not killed at the end"
+        time.sleep(0.05)
