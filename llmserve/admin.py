@@ -120,14 +120,16 @@ class APIKeyAdmin(admin.ModelAdmin):
 
     def get_fields(self, request: HttpRequest, obj: APIKey | None = None) -> list[str]:
         if obj is None:  # the key itself is generated, never typed in
-            return ["name", "rate_limit"]
-        return ["name", "prefix", "rate_limit", "revoked", "created_at", "last_used_at"]
+            return ["name", "rate_limit", "min_priority"]
+        return ["name", "prefix", "rate_limit", "min_priority", "revoked", "created_at", "last_used_at"]
 
     def save_model(self, request: HttpRequest, obj: APIKey, form: Any, change: bool) -> None:
         if change:
             super().save_model(request, obj, form, change)
             return
-        created, raw = APIKey.objects.create_key(obj.name, rate_limit=obj.rate_limit)
+        created, raw = APIKey.objects.create_key(
+            obj.name, rate_limit=obj.rate_limit, min_priority=obj.min_priority
+        )
         obj.pk, obj.prefix, obj.hashed_key, obj.created_at = (
             created.pk,
             created.prefix,

@@ -33,6 +33,11 @@ class Principal:
     identity: str  # rate-limit bucket; never the raw key
     rate_limit: int
 
+    @property
+    def min_priority(self) -> int:
+        """The most urgent request priority this caller may ask for."""
+        return conf.get("MIN_PRIORITY") if self.key is None else self.key.effective_min_priority()
+
 
 def bearer_token(authorization: str | None) -> str | None:
     if not authorization:

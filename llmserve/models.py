@@ -203,6 +203,15 @@ class APIKey(models.Model):
         blank=True,
         help_text=_("Empty = the LLMSERVE['DEFAULT_RATE_LIMIT'] setting; 0 = unlimited."),
     )
+    min_priority = models.IntegerField(
+        _("most urgent priority"),
+        null=True,
+        blank=True,
+        help_text=_(
+            "The lowest request `priority` this key may ask for (lower runs earlier; requests that give "
+            "none run at 0). Empty = the LLMSERVE['MIN_PRIORITY'] setting."
+        ),
+    )
     revoked = models.BooleanField(_("revoked"), default=False)
     created_at = models.DateTimeField(_("created"), auto_now_add=True)
     last_used_at = models.DateTimeField(_("last used"), null=True, blank=True, editable=False)
@@ -221,6 +230,11 @@ class APIKey(models.Model):
         from llmserve import conf
 
         return conf.get("DEFAULT_RATE_LIMIT") if self.rate_limit is None else self.rate_limit
+
+    def effective_min_priority(self) -> int:
+        from llmserve import conf
+
+        return conf.get("MIN_PRIORITY") if self.min_priority is None else self.min_priority
 
     def revoke(self) -> None:
         self.revoked = True

@@ -13,9 +13,10 @@ from llmserve.auth import Principal
 
 @api_view(("POST",), json_body=True)
 async def completions(request: HttpRequest, body: dict[str, Any], principal: Principal) -> HttpResponse:
-    return await generation.respond(schema.parse("completion", body, several_prompts=True))
+    request_ = schema.parse("completion", body, several_prompts=True, min_priority=principal.min_priority)
+    return await generation.respond(request_)
 
 
 @api_view(("POST",), json_body=True)
 async def chat_completions(request: HttpRequest, body: dict[str, Any], principal: Principal) -> HttpResponse:
-    return await generation.respond(schema.parse("chat", body))
+    return await generation.respond(schema.parse("chat", body, min_priority=principal.min_priority))

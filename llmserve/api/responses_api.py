@@ -57,7 +57,8 @@ class _Turn:
             **self.body.chat_fields(),
         }
         try:
-            return schema.chat_request(schema.validate(schema.ChatCompletionRequest, fields))
+            request = schema.validate(schema.ChatCompletionRequest, fields)
+            return schema.chat_request(request, self.principal.min_priority)
         except errors.BadRequest as exc:
             exc.param = _responses_param(exc.param)
             raise

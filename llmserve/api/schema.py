@@ -769,16 +769,24 @@ class GenerationRequest:
 
 
 def parse(
-    kind: Kind, body: dict[str, Any], *, several_prompts: bool = False, reject_unknown: bool | None = None
+    kind: Kind,
+    body: dict[str, Any],
+    *,
+    several_prompts: bool = False,
+    reject_unknown: bool | None = None,
+    min_priority: int | None = None,
 ) -> GenerationRequest:
     """Validate an OpenAI /v1/completions or /v1/chat/completions body.
 
     A completion may hold a list of prompts only with `several_prompts` (the REST endpoint answers them in
     one response; a batch line or a chat message is one engine request). `reject_unknown`: see `validate`.
+    `min_priority`: the most urgent `priority` the caller may ask for (None: LLMSERVE['MIN_PRIORITY']).
     """
     if kind == "chat":
-        return chat_request(validate(ChatCompletionRequest, body, reject_unknown))
-    return completion_request(validate(CompletionRequest, body, reject_unknown), several_prompts)
+        return chat_request(validate(ChatCompletionRequest, body, reject_unknown), min_priority)
+    return completion_request(
+        validate(CompletionRequest, body, reject_unknown), several_prompts, min_priority
+    )
 
 
 def _stream_fields(body: SamplingFields) -> bool:
@@ -787,11 +795,11 @@ def _stream_fields(body: SamplingFields) -> bool:
     return body.stream_options is not None and body.stream_options.include_usage
 
 
-def _common(body: SamplingFields) -> dict[str, Any]:
+def _common(body: SamplingFields, min_priority: int | None) -> dict[str, Any]:
     """The GenerationRequest fields chat and completions share: vLLM's extras and the stream options."""
     if body.prompt_logprobs is not None and body.stream:
         raise BadRequest("`prompt_logprobs` is not available with `stream`.", param="prompt_logprobs")
-    floor = conf.get("MIN_PRIORITY")
+    floor = conf.get("MIN_PRIORITY") if min_priority is None else min_priority
     if body.priority < floor:
         raise BadRequest(f"`priority` must be at least {floor} here.", param="priority")
     return {
@@ -804,8 +812,8 @@ def _common(body: SamplingFields) -> dict[str, Any]:
     }
 
 
-def chat_request(body: ChatCompletionRequest) -> GenerationRequest:
-    common = _common(body)
+def chat_request(body: ChatCompletionRequest, min_priority: int | None = None) -> GenerationRequest:
+    common = _common(body, min_priority)
     values = body.sampling_values()
     if body.max_completion_tokens is not None:
         values["max_tokens"] = body.max_completion_tokens
@@ -946,8 +954,10 @@ def _checked(values: dict[str, Any], param: str) -> StructuredOutputsParams:
     return spec
 
 
-def completion_request(body: CompletionRequest, several_prompts: bool = False) -> GenerationRequest:
-    common = _common(body)
+def completion_request(
+    body: CompletionRequest, several_prompts: bool = False, min_priority: int | None = None
+) -> GenerationRequest:
+    common = _common(body, min_priority)
     prompt = body.prompt
     prompts = prompt if isinstance(prompt, list) and isinstance(prompt[0], str | list) else [prompt]
     if len(prompts) > 1 and not several_prompts:

@@ -144,6 +144,25 @@ def test_continue_final_message_with_echo(client, stack) -> None:
     assert refused.value.body["param"] == "continue_final_message"
 
 
+def test_a_key_may_ask_for_the_priorities_it_is_allowed(stack) -> None:
+    """An API key's own min_priority (set in the admin) bounds its requests' priority instead of the
+    LLMSERVE['MIN_PRIORITY'] default: more urgent within it, refused beyond it."""
+    raw = stack.manage("llmserve_createkey", "urgent-tests").strip()
+    stack.manage(
+        "shell",
+        "-c",
+        "from llmserve.models import APIKey as K; K.objects.filter(name='urgent-tests')"
+        ".update(min_priority=-5)",
+    )
+    urgent = openai.OpenAI(base_url=stack.base_url + "/v1", api_key=raw, max_retries=0, timeout=120)
+    extra = {"priority": -5}
+    done = urgent.chat.completions.create(model=stack.model, messages=ASK, extra_body=extra, **SHORT)
+    assert done.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError) as refused:
+        urgent.completions.create(model=stack.model, prompt="Hi", extra_body={"priority": -6}, **SHORT)
+    assert refused.value.body["param"] == "priority"
+
+
 def test_template_options_truncation_priority_and_token_ids(client, stack) -> None:
     plain = client.chat.completions.create(model=stack.model, messages=ASK, **SHORT)
     no_prompt = client.chat.completions.create(
