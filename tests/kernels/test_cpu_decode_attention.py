@@ -226,9 +226,9 @@ def test_backend_matches_extend_reference(
 
     monkeypatch.setattr(torch_backend, "native_query_max", lambda *args: limit)
     if native != "extend":
-        monkeypatch.setattr(cpu_attention, "paged_extend", lambda *args: False)
+        monkeypatch.setattr(cpu_attention, "paged_extend", lambda *args, **options: False)
     if native == "pytorch":
-        monkeypatch.setattr(cpu_attention, "paged_decode", lambda *args: None)
+        monkeypatch.setattr(cpu_attention, "paged_decode", lambda *args, **options: None)
     kv = paged_kv(seq_lens, block_size, 3, 64, dtype)
     # The new tokens' K/V are already in the cache here; the backend stores them again (same values).
     starts = [0]
@@ -293,8 +293,8 @@ def test_native_query_max_is_measured_per_shape(monkeypatch):
     measured = torch_backend.native_query_max(9, 3, 64, BF16, 2)
     assert measured in (NATIVE_QUERY_MIN, 128, 256, 512, 1024, EVERY_LENGTH)
     torch_backend.native_query_max.cache_clear()
-    monkeypatch.setattr(cpu_attention, "paged_extend", lambda *args: False)
-    monkeypatch.setattr(cpu_attention, "paged_decode", lambda *args: None)
+    monkeypatch.setattr(cpu_attention, "paged_extend", lambda *args, **options: False)
+    monkeypatch.setattr(cpu_attention, "paged_decode", lambda *args, **options: None)
     assert (
         torch_backend.native_query_max(9, 3, 64, BF16, 2) == NATIVE_QUERY_MIN
     )  # no kernel: long chunks to SDPA
