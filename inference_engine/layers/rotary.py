@@ -120,12 +120,13 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x: [tokens, heads, head_dim], queries and keys together. Computed in fp32, as transformers does;
         in place where a fused kernel runs (x is then returned), else into a new tensor."""
-        if self.partial:
-            x[..., : self.rotary_dim] = self._rotate(positions, x[..., : self.rotary_dim])
-            return x
-        if self.triton is not None:
+        if self.triton is not None and not self.partial:
             return self.triton.rotary_embedding_(x, positions, self.cos, self.sin)
-        if cpu_fused.rotary_(x, positions, self.cos, self.sin):
+        turning = x[..., : self.rotary_dim] if self.partial else x
+        if cpu_fused.rotary_(turning, positions, self.cos, self.sin):
+            return x
+        if self.partial:
+            x[..., : self.rotary_dim] = self._rotate(positions, turning)
             return x
         return self._rotate(positions, x)
 

@@ -171,12 +171,7 @@ class LlamaModel(nn.Module):
 
     def native_variants(self) -> list[str]:
         """What this model does that the native decoder does not (it then runs layer by layer)."""
-        attn = self.layers[0].self_attn
-        variants = {
-            "partial rotary": attn.rotary.partial,
-            "decoder layer": not hasattr(self.layers[0], "native_norms"),
-        }
-        return [name for name, on in variants.items() if on]
+        return [] if hasattr(self.layers[0], "native_norms") else [f"{type(self.layers[0]).__name__}"]
 
     def use_native_decoder(self) -> bool:
         """Runs steps of up to a few hundred tokens through `kernels.cpu.decoder` from now on, where this
@@ -246,6 +241,7 @@ class LlamaModel(nn.Module):
             gelu=layer.mlp.gelu,
             cos=attn.rotary.cos if own_rotary else None,
             sin=attn.rotary.sin if own_rotary else None,
+            rotary_dim=attn.rotary.rotary_dim,
             **layer.native_norms(),
         )
 

@@ -117,10 +117,11 @@ def test_quantized_prompt_steps_beyond_the_native_kernels_rows():
     assert decoder.max_rows >= NATIVE_QUERY_MIN and calls[0] == NATIVE_QUERY_MIN > kernel_rows
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma2", "gemma3", "olmo2", "mistral", "granite"])
+@pytest.mark.parametrize("family", ["qwen3", "gemma2", "gemma3", "olmo2", "mistral", "granite", "phi3"])
 def test_families_take_the_native_decoder_with_the_layer_paths_bits(family):
     """Each family's variants (q/k norms, sandwich and post norms, GELU-tanh, windows, soft-caps, scales,
-    per-layer rotary tables, folded multipliers) run in the native decoder, with the layer path's bits."""
+    per-layer rotary tables, partial rotation, folded multipliers) run in the native decoder, with the layer
+    path's bits."""
     from . import families
 
     kwargs = {"model": str(families.folder(family)), "quantization": "none"}
