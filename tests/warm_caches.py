@@ -1,5 +1,6 @@
 """Builds the per-machine test caches before the tests that first need them would: transformers' greedy
-reference of the bundled model, its dense copy, the quantized checkpoints and their reference perplexities.
+reference of the bundled model, its dense copy, llama.cpp's GGUF conversions of the tiny family checkpoints,
+the quantized checkpoints and their reference perplexities.
 
     nice -n 19 .venv/bin/python -m tests.warm_caches
 
@@ -19,6 +20,7 @@ import sys
 import torch
 
 from inference_engine.model_loader import default_model_path, load_model
+from tests.engine import family_gguf
 from tests.engine import quant_checkpoints as qc
 from tests.engine.conftest import hf_greedy_continuations
 from tests.engine.test_quantized_accuracy import CASES, TEXT
@@ -30,6 +32,8 @@ def main() -> None:
     torch.set_num_threads(1)
     tokenizer = load_model(None).tokenizer
     hf_greedy_continuations(tokenizer)
+    for family in family_gguf.CONVERTED:  # test_families_gguf: llama.cpp's conversions of the tiny families
+        family_gguf.gguf_path(family, "f32")
     token_ids = tokenizer.encode(TEXT)
     for checkpoint, kind, _ in CASES.values():
         qc.reference_logprobs(checkpoint() or default_model_path(), kind, token_ids)

@@ -118,20 +118,23 @@ def load(path: Path, quantization: str | None = None) -> LoadedModel:
     method = resolve_quantization(quantization, "gguf" if quantized else None, f"the GGUF file {path.name}")
     meta = {name: value for name, value in reader.fields.items() if not name.startswith("tokenizer.ggml.")}
     arch = meta["general.architecture"]
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"GGUF architecture {arch!r} is not supported (supported: {sorted(SUPPORTED_ARCHITECTURES)})."
-        )
+    raw = hf_config_dict(reader, meta)
     tokenizer = _tokenizer(reader)
-    config = model_config(hf_config_dict(reader, meta, arch), tokenizer.eos_token_ids)
+    config = model_config(raw, tokenizer.eos_token_ids)
     name = meta.get("general.name") or path.stem
     weights = _weights(reader, arch, config, keep_quantized=method == "gguf")
     return LoadedModel(name=name, config=config, tokenizer=tokenizer, weights=weights, quantization=method)
 
 
-def hf_config_dict(reader: gguf_file.GGUFFile, meta: dict, arch: str) -> dict:
-    """The file's metadata as the config.json of the same model, read the way llama.cpp reads it (its
-    defaults where the file is silent), so that `hf_config.model_config` decides for both formats."""
+def hf_config_dict(reader: gguf_file.GGUFFile, meta: dict) -> dict:
+    """The file's metadata (`meta`: its fields but the tokenizer's) as the config.json of the same model,
+    read the way llama.cpp reads it (its defaults where the file is silent), so that
+    `hf_config.model_config` decides for both formats."""
+    arch = meta["general.architecture"]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"GGUF architecture {arch!r} is not supported (supported: {sorted(SUPPORTED_ARCHITECTURES)})."
+        )
     prefix = f"{arch}."
     unknown = sorted(k for k in meta if k.startswith(prefix) and k[len(prefix) :] not in _KNOWN_KEYS)
     if unknown:
