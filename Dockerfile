@@ -37,14 +37,15 @@ ENV TORCH_SPEC=${TORCH_SPEC} \
 # does), so that it survives code changes: the packages' folders are empty here, the editable install points
 # at them, and the next COPY fills them. A CPU build of torch runs no Triton kernel (kernels/triton is for
 # CUDA), so a CPU image leaves out Triton's 1 GB; `LLMSERVE_EXTRAS=all scripts/test` brings it back.
-COPY --chown=llmserve:llmserve pyproject.toml ./
+COPY --chown=llmserve:llmserve pyproject.toml setup.py ./
 COPY --chown=llmserve:llmserve scripts/setup scripts/
 ARG PIP_EXTRA_INDEX_URL
 ARG PIP_FIND_LINKS
 ARG PIP_CERT
-RUN for package in llmserve inference_engine kernels hostproject; do \
+RUN for package in llmserve inference_engine hostproject; do \
         mkdir "$package" && touch "$package/__init__.py"; \
     done \
+    && mkdir kernels \
     && touch README.md \
     && scripts/setup \
     && if .venv/bin/python -c "import sys, torch; sys.exit(torch.version.cuda is not None)"; then \

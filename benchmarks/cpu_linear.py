@@ -4,7 +4,7 @@
 
 1. The machine's memory bandwidth: a 512 MiB copy (bytes read + written) and a 512 MiB reduction (read).
 2. Per weight shape of SmolLM2-135M (and its 49152 x 576 LM head), format and row count: our routines
-   (`kernels.cpu.linear`), oneDNN's prepacked bf16 linear, and PyTorch's `_weight_int4pack_mm_for_cpu`
+   (kernels/cpu/linear.py), oneDNN's prepacked bf16 linear, and PyTorch's `_weight_int4pack_mm_for_cpu`
    (int4, groups of 32) and `_weight_int8pack_mm` (int8 per channel); µs per call and GB/s of weight
    bytes. Each routine cycles through enough copies of its weight (over 96 MB) that every call reads it
    from memory; routines are timed in turn, round after round, and the best round is kept.
@@ -31,9 +31,9 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu import linear as cpu_linear
-from kernels.cpu.huge_pages import on_huge_pages
-from kernels.quantized import Int4Weight, Int8Weight
+from llmserve_kernels.cpu import linear as cpu_linear
+from llmserve_kernels.cpu.huge_pages import on_huge_pages
+from llmserve_kernels.quantized import Int4Weight, Int8Weight
 
 BF16 = torch.bfloat16
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
@@ -315,7 +315,7 @@ def main() -> None:
 
 
 def cpu_linear_cpu() -> str:
-    from kernels.cpu._build import _cpu_model
+    from llmserve_kernels.cpu._build import _cpu_model
 
     return _cpu_model().split(":", 1)[-1].strip()
 

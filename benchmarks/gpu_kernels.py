@@ -44,12 +44,12 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))  # `python benchmarks/gpu_kernels.py` works without an install
 
-from kernels import reference  # noqa: E402
-from kernels import triton as kernels  # noqa: E402
-from kernels.quantized import Int4Weight, Int8Weight, QuantizedWeight  # noqa: E402
-from kernels.triton import choose_num_splits, sm_count  # noqa: E402
-from kernels.triton import linear as quantized_linear  # noqa: E402
-from kernels.triton.extend_attention import extend_grid, extend_tile  # noqa: E402
+from llmserve_kernels import reference  # noqa: E402
+from llmserve_kernels import triton as kernels  # noqa: E402
+from llmserve_kernels.quantized import Int4Weight, Int8Weight, QuantizedWeight  # noqa: E402
+from llmserve_kernels.triton import choose_num_splits, sm_count  # noqa: E402
+from llmserve_kernels.triton import linear as quantized_linear  # noqa: E402
+from llmserve_kernels.triton.extend_attention import extend_grid, extend_tile  # noqa: E402
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from benchmarks.workload import Request, mixed_workload
 from inference_engine import LLM, SamplingParams
 from inference_engine.engine_loop import on_a_thread_that_ends
 from inference_engine.model_loader import default_model_path
-from kernels.cpu.huge_pages import on_huge_pages
+from llmserve_kernels.cpu.huge_pages import on_huge_pages
 
 SAMPLED = {"temperature": 0.8, "top_p": 0.95, "seed": 0}
 

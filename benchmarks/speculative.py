@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from inference_engine import LLM, SamplingParams
-from kernels.cpu.linear import SAME_BITS_ROWS
+from llmserve_kernels.cpu.linear import SAME_BITS_ROWS
 
 SUMMARY_TOKENS = 96
 NGRAM = {"method": "ngram", "prompt_lookup_max": 4, "prompt_lookup_min": 2}

@@ -143,7 +143,7 @@ def serve(args: argparse.Namespace) -> None:
     from inference_engine.config import EngineConfig
     from inference_engine.engine_loop import freeze_startup_heap
     from inference_engine.llm_engine import LLMEngine
-    from kernels.cpu.team import spread_team
+    from llmserve_kernels.cpu.team import spread_team
 
     promoted = threading.Event()
     if args.standby:  # before the model loads: an early SIGUSR1 must not kill us

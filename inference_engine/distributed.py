@@ -16,7 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from kernels.cpu.team import spread_team
+from llmserve_kernels.cpu.team import spread_team
 
 _local_rank = 0
 _building = (0, 1)  # (rank, size) of the model being built

@@ -12,7 +12,7 @@ outnumber the cores, idle workers stop spinning and every parallel region waits 
 native decoder runs some 200 regions a step, so a loop thread beside the pool of the thread that built the
 model decoded several times slower than with its own pool the only one. So no pool outlives the build, as
 long as the callers' threads run no parallel torch work of their own. A thread about to run the model
-spreads its new pool over the cores first (`kernels.cpu.team`): its first forward pass would otherwise run
+spreads its new pool over the cores first (kernels/cpu/team.py): its first forward pass would otherwise run
 with the pool's threads sharing one core.
 """
 
@@ -34,7 +34,7 @@ from inference_engine.distributed import thread_placement_kept
 from inference_engine.llm_engine import LLMEngine
 from inference_engine.outputs import RequestOutput
 from inference_engine.sampling_params import SamplingParams
-from kernels.cpu.team import spread_team
+from llmserve_kernels.cpu.team import spread_team
 
 logger = logging.getLogger(__name__)
 

@@ -28,8 +28,8 @@ from inference_engine.scheduler import SchedulerOutput
 from inference_engine.sequence import Sequence
 from inference_engine.step_inputs import PreparedStep, StepInputs
 from inference_engine.tp_workers import TPWorkers
-from kernels.cpu import linear as cpu_linear
-from kernels.cpu.huge_pages import zeros_on_huge_pages
+from llmserve_kernels.cpu import linear as cpu_linear
+from llmserve_kernels.cpu.huge_pages import zeros_on_huge_pages
 
 logger = logging.getLogger(__name__)
 
@@ -228,7 +228,7 @@ class ModelRunner:
             layer.self_attn.k_cache, layer.self_attn.v_cache = kv_cache[0, i], kv_cache[1, i]
 
     def _capture_graphs(self, max_blocks: int) -> GraphRunner:
-        from kernels.triton import choose_num_splits, sm_count
+        from llmserve_kernels.triton import choose_num_splits, sm_count
 
         kv_heads, sms = self.model.model.layers[0].self_attn.num_kv_heads, sm_count(self.device)
         context = max_blocks * self.block_size

@@ -32,7 +32,7 @@ import torch
 from inference_engine.outputs import Logprob
 from inference_engine.sampling_metadata import LogitEdits, SamplingMetadata, TokenHistory
 from inference_engine.sequence import Sequence
-from kernels.cpu import sampling as cpu_sampling
+from llmserve_kernels.cpu import sampling as cpu_sampling
 
 
 @dataclass

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from inference_engine.errors import InvalidRequestError
 from inference_engine.sequence import Sequence
-from kernels.cpu.linear import SAME_BITS_ROWS, cheap_bf16_rows, cheap_quant_rows
+from llmserve_kernels.cpu.linear import SAME_BITS_ROWS, cheap_bf16_rows, cheap_quant_rows
 
 CPU_BATCH_LIMIT = 4
 CPU_AMX_BATCH_LIMIT = 8

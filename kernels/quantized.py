@@ -2,7 +2,7 @@
 
 Checkpoint formats are converted to one of these when a model loads (GGUF Q4_0/Q4_1/Q4_K and AWQ/GPTQ
 become `Int4Weight`; GGUF Q8_0/Q6_K and on-load int8 become `Int8Weight`), and each backend then
-packs them once into the layout its kernels read best (`kernels.cpu.linear`, `kernels.triton.linear`).
+packs them once into the layout its kernels read best (cpu/linear.py, triton/linear.py).
 Rows are output features and columns input features, as in a torch linear weight, so tensor-parallel
 sharding and the fusing of projections (QKV, gate+up) work on these forms like on dense weights.
 """

@@ -112,7 +112,7 @@ def paged_extend_attention_ref(
 def add_rms_norm_ref(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Reference for :func:`kernels.triton.fused.add_rms_norm` (and ``rms_norm`` when ``residual`` is None):
+    """Reference for :func:`triton.fused.add_rms_norm` (and ``rms_norm`` when ``residual`` is None):
     transformers' ``LlamaRMSNorm`` after the residual add, which rounds the sum and the normalised value to
     the activation dtype before the weight multiplies it."""
     h = x if residual is None else (x.float() + residual.float()).to(x.dtype)
@@ -125,7 +125,7 @@ def add_rms_norm_ref(
 def rotary_embedding_ref(
     x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> torch.Tensor:
-    """Reference for :func:`kernels.triton.fused.rotary_embedding_` (returns a new tensor): rotate-half
+    """Reference for :func:`triton.fused.rotary_embedding_` (returns a new tensor): rotate-half
     RoPE, ``x * cos + rotate_half(x) * sin`` in fp32 with the caches of ``RotaryEmbedding`` (sin's first
     half already negated, so rotate_half only swaps the halves)."""
     xf = x.float()
@@ -136,6 +136,6 @@ def rotary_embedding_ref(
 
 
 def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
-    """Reference for :func:`kernels.triton.fused.silu_and_mul`: ``silu(gate) * up`` in fp32."""
+    """Reference for :func:`llmserve_kernels.triton.fused.silu_and_mul`: ``silu(gate) * up`` in fp32."""
     gate, up = gate_up.float().chunk(2, dim=-1)
     return (torch.nn.functional.silu(gate) * up).to(gate_up.dtype)

@@ -1,6 +1,6 @@
 """Paged attention in PyTorch: the CPU backend (and a fallback wherever Triton is missing).
 
-Where the native CPU kernels (`kernels.cpu.attention`) are available, every decode, and every new token of a
+Where the native CPU kernels (kernels/cpu/attention.py) are available, every decode, and every new token of a
 chunk of at most `NATIVE_QUERY_MIN` tokens, is one query of the decode kernel, which reads the paged cache in
 place up to the token's own position: so a speculative verification's tokens get the bits plain decoding
 gives them. Longer chunks, up to `native_query_max` tokens, go to the extend kernel, which shares each key
@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from inference_engine.attention import AttentionMetadata
-from kernels.cpu import attention as cpu_attention
-from kernels.reference import paged_decode_attention_ref, paged_extend_attention_ref
-from kernels.timing import best_time
+from llmserve_kernels.cpu import attention as cpu_attention
+from llmserve_kernels.reference import paged_decode_attention_ref, paged_extend_attention_ref
+from llmserve_kernels.timing import best_time
 
 # Chunks of up to this many new tokens always run on the native kernel, one query a token, and so can run in
 # the native decoder wherever SDPA would be faster for them (a prompt of a few dozen tokens pays more for

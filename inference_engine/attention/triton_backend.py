@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from inference_engine.attention import AttentionMetadata
-from kernels.triton import paged_decode_attention, paged_extend_attention, store_kvcache
+from llmserve_kernels.triton import paged_decode_attention, paged_extend_attention, store_kvcache
 
 
 def forward(

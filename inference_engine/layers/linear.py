@@ -2,9 +2,9 @@
 
 A column-parallel layer shards its output features, a row-parallel layer its input features and
 all-reduces the result; fused projections (QKV, gate+up) are one layer whose checkpoint tensors each
-load into their part. Weights arrive dense or quantized (`kernels.quantized`); each layer keeps its
+load into their part. Weights arrive dense or quantized (`llmserve_kernels.quantized`); each layer keeps its
 rank's shard of every part until `finalize`, which fuses the parts and packs them once for the
-device's kernels (`kernels.cpu.linear` or `kernels.triton.linear`). Parts of different quantized
+device's kernels (kernels/cpu/linear.py or kernels/triton/linear.py). Parts of different quantized
 formats (a GGUF file may store V in Q6_K beside Q and K in Q4_K) stay separate matmuls.
 """
 
@@ -16,16 +16,16 @@ import torch
 from torch import nn
 
 from inference_engine.distributed import all_reduce, tp_rank, tp_size
-from kernels.quantized import Int4Weight, Int8Weight, QuantizedWeight
+from llmserve_kernels.quantized import Int4Weight, Int8Weight, QuantizedWeight
 
 Weight = torch.Tensor | QuantizedWeight
 
 
 def linear_kernels(device: torch.device) -> ModuleType:
     if device.type == "cuda":
-        from kernels.triton import linear
+        from llmserve_kernels.triton import linear
     else:
-        from kernels.cpu import linear
+        from llmserve_kernels.cpu import linear
     return linear
 
 

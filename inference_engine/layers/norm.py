@@ -4,12 +4,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu import fused as cpu_fused
+from llmserve_kernels.cpu import fused as cpu_fused
 
 
 def triton_fused():
     """The Triton fused layers (imported only where the model is built for CUDA)."""
-    from kernels.triton import fused
+    from llmserve_kernels.triton import fused
 
     return fused
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from inference_engine.layers.norm import triton_fused
-from kernels.cpu import fused as cpu_fused
+from llmserve_kernels.cpu import fused as cpu_fused
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 

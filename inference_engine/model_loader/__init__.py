@@ -16,7 +16,7 @@ import torch
 
 from inference_engine.config import EngineConfig
 from inference_engine.tokenizer import Tokenizer, load_hf_tokenizer
-from kernels.quantized import QuantizedWeight
+from llmserve_kernels.quantized import QuantizedWeight
 
 # A checkpoint tensor: dense, or a quantized linear weight in one of the engine's two formats.
 Weight = torch.Tensor | QuantizedWeight
@@ -115,7 +115,7 @@ def load_model(
 ) -> LoadedModel:
     """`model`: a GGUF file, a Hugging Face folder or a hub id (see `hub`); None = the bundled default.
     `quantization` as EngineConfig's: None keeps what the checkpoint declares (quantized weights as
-    `kernels.quantized` forms), "none" gives every weight dense. `tokenizer` (a folder or hub id)
+    `llmserve_kernels.quantized` forms), "none" gives every weight dense. `tokenizer` (a folder or hub id)
     replaces the model's own tokenizer, as vLLM's argument does."""
     from inference_engine.model_loader import gguf_loader, hf_loader, hub
 

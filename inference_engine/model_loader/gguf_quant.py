@@ -1,4 +1,4 @@
-"""GGUF block formats to the engine's quantized weights (`kernels.quantized`), straight from the bytes.
+"""GGUF block formats to the engine's quantized weights (kernels/quantized.py), straight from the bytes.
 
 This is where a GGUF file's quantized tensors are repacked, once, at load: each llama.cpp block holds
 its scale(s) beside 32 (or 256) packed values; the kernels want the values of a row contiguous and the
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from kernels.quantized import Int4Weight, Int8Weight, QuantizedWeight
+from llmserve_kernels.quantized import Int4Weight, Int8Weight, QuantizedWeight
 
 
 def _blocks(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:

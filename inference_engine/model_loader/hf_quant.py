@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from kernels.quantized import Int4Weight
+from llmserve_kernels.quantized import Int4Weight
 
 METHODS = ("awq", "gptq")
 SUPPORTED = "4-bit AWQ (GEMM packing, zero points) and 4-bit GPTQ (checkpoint_format gptq or gptq_v2)"

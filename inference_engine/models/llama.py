@@ -30,11 +30,11 @@ from inference_engine.layers.linear import (
 from inference_engine.layers.norm import RMSNorm, triton_fused
 from inference_engine.layers.rotary import RotaryEmbedding
 from inference_engine.model_loader import ModelConfig
-from kernels.cpu import fused as cpu_fused
-from kernels.cpu.linear import NATIVE_STEP_ROWS
+from llmserve_kernels.cpu import fused as cpu_fused
+from llmserve_kernels.cpu.linear import NATIVE_STEP_ROWS
 
 if TYPE_CHECKING:
-    from kernels.cpu.decoder import Extend, NativeDecoder
+    from llmserve_kernels.cpu.decoder import Extend, NativeDecoder
 
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu_tanh")
 
@@ -147,7 +147,7 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
     def native_norms(self) -> dict[str, torch.Tensor | None]:
-        """This layer's norm weights by the place `kernels.cpu.decoder.DecoderLayer` gives them."""
+        """This layer's norm weights by the place `llmserve_kernels.cpu.decoder.DecoderLayer` gives them."""
         return {"input_norm": self.input_layernorm.weight, "post_norm": self.post_attention_layernorm.weight}
 
 
@@ -174,10 +174,10 @@ class LlamaModel(nn.Module):
         return [] if hasattr(self.layers[0], "native_norms") else [f"{type(self.layers[0]).__name__}"]
 
     def use_native_decoder(self) -> bool:
-        """Runs steps of up to a few hundred tokens through `kernels.cpu.decoder` from now on, where this
+        """Runs steps of up to a few hundred tokens through kernels/cpu/decoder.py from now on, where this
         model can (bf16 on the CPU, unsharded, every linear layer one weight on a native kernel, no variant
         the decoder lacks); False otherwise."""
-        from kernels.cpu import available, decoder
+        from llmserve_kernels.cpu import available, decoder
 
         attn = self.layers[0].self_attn
         linears = [
@@ -220,7 +220,7 @@ class LlamaModel(nn.Module):
 
     @staticmethod
     def _native_layer(layer: nn.Module, rotary: RotaryEmbedding):
-        from kernels.cpu.decoder import DecoderLayer
+        from llmserve_kernels.cpu.decoder import DecoderLayer
 
         attn = layer.self_attn
         own_rotary = attn.rotary is not rotary
@@ -248,7 +248,7 @@ class LlamaModel(nn.Module):
     def _native_extend(self, meta: AttentionMetadata) -> Extend | bool | None:
         """The sequences whose attention goes through the extend kernel in this step, as `torch_backend`
         sends them (None: none); False where a chunk is too long for the native kernels (SDPA takes it)."""
-        from kernels.cpu.decoder import Extend
+        from llmserve_kernels.cpu.decoder import Extend
 
         if meta.max_query_len <= NATIVE_QUERY_MIN:
             return None
@@ -363,7 +363,7 @@ class LlamaForCausalLM(nn.Module):
         return iter(weights)
 
     def load_weights(self, weights: Iterable[tuple[str, Weight]]) -> None:
-        """Loads checkpoint tensors (Hugging Face names; quantized linear weights as `kernels.quantized`
+        """Loads checkpoint tensors (Hugging Face names; quantized linear weights as kernels/quantized.py
         forms under `<layer>.weight`). Layers that pack their weights check for missing parts in
         `finalize`; plain parameters are checked here."""
         params = dict(self.named_parameters())

@@ -9,7 +9,7 @@ greedy argmax (torch runs it on one core) and batched top-k / top-p / min-p samp
 `team` starts a thread's OpenMP team spread over the cores.
 """
 
-from kernels.cpu import attention, fused, sampling
-from kernels.cpu._build import available
+from llmserve_kernels.cpu import attention, fused, sampling
+from llmserve_kernels.cpu._build import available
 
 __all__ = ["attention", "available", "fused", "sampling"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu._build import f32, function, i32, i64, ptr
+from llmserve_kernels.cpu._build import f32, function, i32, i64, ptr
 
 _DTYPES = {torch.bfloat16: 1, torch.float32: 0}
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.cpu._build import function, i32, ptr
-from kernels.cpu.linear import (
+from llmserve_kernels.cpu._build import function, i32, ptr
+from llmserve_kernels.cpu.linear import (
     PackedLinear,
     _amx_rows,
     _BF16Tiles,
@@ -25,7 +25,7 @@ from kernels.cpu.linear import (
     _fma_rows,
     _QuantTiles,
 )
-from kernels.cpu.sampling import _threads as sampling_threads
+from llmserve_kernels.cpu.sampling import _threads as sampling_threads
 
 BF16 = torch.bfloat16
 _KINDS = {_BF16Tiles: 1, _QuantTiles: 2}
@@ -104,7 +104,7 @@ class _Decoder(ctypes.Structure):
 class DecoderLayer:
     """One layer's weights, caches and variants. With every variant at its default it is a Llama layer:
     x + attn(norm(x)), then that + mlp(norm(that)). Every norm is a bf16 RMSNorm with the given weight,
-    rounded as `kernels.cpu.fused.rms_norm` rounds (the caller folds Gemma's 1 + w into the weight)."""
+    rounded as `fused.rms_norm` rounds (the caller folds Gemma's 1 + w into the weight)."""
 
     input_norm: torch.Tensor | None  # [hidden] before attention; None: attention reads the stream (OLMo 2)
     post_norm: torch.Tensor | None  # [hidden] before the MLP; None: the MLP reads the stream (OLMo 2)

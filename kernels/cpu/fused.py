@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu._build import f32, function, i32, i64, ptr
+from llmserve_kernels.cpu._build import f32, function, i32, i64, ptr
 
 
 def _bf16_rows(*tensors: torch.Tensor) -> bool:

@@ -2,7 +2,7 @@
 
 A linear layer at small batch is bound by reading its weight from memory, so each weight is repacked once
 into the layout a native kernel streams best (`csrc/linear_bf16.c` for dense bf16, `csrc/linear_quant.c`
-for `kernels.quantized` weights, kept quantized), in memory backed by huge pages (`huge_pages`). Which
+for kernels/quantized.py weights, kept quantized), in memory backed by huge pages (`huge_pages`). Which
 routine serves which number of rows is measured once per weight shape when the weight is packed (native
 kernel, oneDNN's prepacked bf16 linear, or for a quantized weight what a bf16 copy of it would run) and
 fixed then: `linear` only compares the row count with a number. The same packed layout serves embedding
@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu._build import available, function, i32, i64, library_path, ptr
-from kernels.cpu.huge_pages import on_huge_pages
-from kernels.quantized import Int4Weight, QuantizedWeight
-from kernels.timing import best_time, interleaved_best
+from llmserve_kernels.cpu._build import available, function, i32, i64, library_path, ptr
+from llmserve_kernels.cpu.huge_pages import on_huge_pages
+from llmserve_kernels.quantized import Int4Weight, QuantizedWeight
+from llmserve_kernels.timing import best_time, interleaved_best
 
 BF16 = torch.bfloat16
 _PACK_BATCH_HINT = 32  # oneDNN picks its layout for this many rows; measured as good for 1..2048 rows

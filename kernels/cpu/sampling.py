@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu._build import function, i32, ptr
+from llmserve_kernels.cpu._build import function, i32, ptr
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor | None:

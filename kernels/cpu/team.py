@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu._build import function, i32
+from llmserve_kernels.cpu._build import function, i32
 
 
 def spread_team() -> int | None:

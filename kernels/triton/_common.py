@@ -5,6 +5,7 @@ import math
 import os
 
 import torch
+
 import triton
 import triton.language as tl
 

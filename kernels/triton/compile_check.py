@@ -7,7 +7,7 @@ Triton compiles every kernel it launches for the chosen architecture with its bu
 is launched. For each compiled kernel it reports registers, the local-memory stack (non-zero: the
 kernel spills) and shared memory, read from the cubin with the bundled ``cuobjdump``.
 
-    python -m kernels.triton.compile_check          # the production variants of every kernel, for sm_90
+    python -m llmserve_kernels.triton.compile_check # the production variants of every kernel, for sm_90
 
 It must run without ``TRITON_INTERPRET`` (the interpreter replaces the compiler when triton is imported).
 """
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
 import triton
 from triton import knobs
 from triton.backends.compiler import GPUTarget
@@ -130,7 +131,7 @@ def compiling_for(arch: int = 90) -> Iterator[list[CompiledKernel]]:
 
 
 def _attention(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, max_query_lens: tuple[int, ...]):
-    from kernels.triton import paged_decode_attention, paged_extend_attention, store_kvcache
+    from llmserve_kernels.triton import paged_decode_attention, paged_extend_attention, store_kvcache
 
     def launch() -> None:
         batch, block_size = 4, 16
@@ -153,7 +154,7 @@ def _attention(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, max
 
 
 def _fused(hidden: int, heads: int, head_dim: int, intermediate: int):
-    from kernels.triton.fused import add_rms_norm, rms_norm, rotary_embedding_, silu_and_mul
+    from llmserve_kernels.triton.fused import add_rms_norm, rms_norm, rotary_embedding_, silu_and_mul
 
     def launch() -> None:
         x, weight = torch.zeros(4, hidden, dtype=torch.bfloat16), torch.zeros(hidden, dtype=torch.bfloat16)
@@ -172,8 +173,8 @@ def _fused(hidden: int, heads: int, head_dim: int, intermediate: int):
 
 
 def _quantized(bits: int, group_size: int, rows: tuple[int, ...], act_order: bool = False):
-    from kernels.quantized import Int4Weight, Int8Weight
-    from kernels.triton.linear import dequantize, linear, pack
+    from llmserve_kernels.quantized import Int4Weight, Int8Weight
+    from llmserve_kernels.triton.linear import dequantize, linear, pack
 
     def launch() -> None:
         n = k = 4096

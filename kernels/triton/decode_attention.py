@@ -18,6 +18,7 @@ that is what a CUDA graph captured for that batch size needs, since nothing host
 """
 
 import torch
+
 import triton
 import triton.language as tl
 
@@ -220,7 +221,7 @@ def paged_decode_attention(
     table's width, see `choose_num_splits`. ``out`` (optional) receives the result. ``window`` > 0: the
     query sees only the last ``window`` keys (itself included); ``softcap`` > 0: scores are
     ``softcap * tanh(score / softcap)`` after scaling (0: neither).
-    Reference: `kernels.reference.paged_decode_attention_ref`.
+    Reference: `llmserve_kernels.reference.paged_decode_attention_ref`.
     """
     batch, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape

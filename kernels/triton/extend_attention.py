@@ -20,6 +20,7 @@ host-side shapes, so building it needs no device sync.
 """
 
 import torch
+
 import triton
 import triton.language as tl
 
@@ -197,7 +198,7 @@ def paged_extend_attention(
     does not depend on it). ``out`` (optional) receives the result. ``window`` > 0: a query at position p
     sees keys p - window + 1 to p; ``softcap`` > 0: scores are ``softcap * tanh(score / softcap)`` after
     scaling (0: neither).
-    Reference: `kernels.reference.paged_extend_attention_ref`.
+    Reference: `llmserve_kernels.reference.paged_extend_attention_ref`.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape

@@ -3,10 +3,11 @@
 Each replaces several PyTorch ops (and as many launches and round trips through memory) of a decoder
 layer with one kernel that reads its inputs once, computes in fp32 and rounds once per stored value,
 where rounding must match transformers' own order of operations (RMSNorm rounds the sum and the
-normalised value before the weight, as ``LlamaRMSNorm`` does in bf16). References: `kernels.reference`.
+normalised value before the weight, as ``LlamaRMSNorm`` does in bf16). References: kernels/reference.py.
 """
 
 import torch
+
 import triton
 import triton.language as tl
 

@@ -1,6 +1,7 @@
 """Scatter the new tokens' K/V into the paged cache (one program per token)."""
 
 import torch
+
 import triton
 import triton.language as tl
 

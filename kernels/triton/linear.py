@@ -1,8 +1,8 @@
-"""Linear layers on CUDA: dense weights through cuBLAS, quantized ones (`kernels.quantized`) through a
+"""Linear layers on CUDA: dense weights through cuBLAS, quantized ones (kernels/quantized.py) through a
 Triton GEMM that dequantizes the packed weights in registers and feeds them to ``tl.dot``; a step of
 `DEQUANTIZE_ROWS` rows or more (a prompt) dequantizes the weight once and multiplies on cuBLAS instead.
 
-The same interface as `kernels.cpu.linear`: `pack` once at load, `linear(x, packed)` every step.
+The same interface as `llmserve_kernels.cpu.linear`: `pack` once at load, `linear(x, packed)` every step.
 
 Layout, repacked once in `pack` (``K`` input features padded with zeros to a multiple of ``CHUNK`` = 64,
 ``N`` output features, every tensor transposed so that a tile's ``N`` columns are contiguous in memory):
@@ -29,10 +29,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
 import triton
 import triton.language as tl
-
-from kernels.quantized import QuantizedWeight
+from llmserve_kernels.quantized import QuantizedWeight
 
 from ._common import INTERPRET, dot_precision, sm_count
 

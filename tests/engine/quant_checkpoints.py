@@ -40,7 +40,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from inference_engine.model_loader import default_model_path, load_model
-from kernels.quantized import Int8Weight
+from llmserve_kernels.quantized import Int8Weight
 
 FIXTURE_VERSION = 1
 CACHE = Path(os.environ.get("LLMSERVE_CACHE", Path.home() / ".cache" / "llmserve")) / "test-checkpoints"

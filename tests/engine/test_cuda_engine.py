@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from benchmarks.random_llama import byte_level_tokenizer, write_random_llama
 from inference_engine import LLM, SamplingParams
-from kernels.quantized import Int8Weight
+from llmserve_kernels.quantized import Int8Weight
 
 from .conftest import assert_all_blocks_free, greedy
 

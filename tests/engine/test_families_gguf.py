@@ -20,6 +20,9 @@ from . import families, family_gguf
 from .conftest import assert_all_blocks_free
 from .test_families import MAX_TOKENS, TEXTS
 
+# The Triton interpreter runs each kernel launch in Python: in the suite, the family whose file keeps a
+# sliding window; the rest with `-m slow`.
+TRITON_SUITE = {"gemma3"}
 # A converted file reads these back as the float32 it stores.
 _ROUNDED = {"rms_norm_eps", "attention_multiplier"}
 # llama.cpp names Mistral's architecture `llama`.
@@ -76,6 +79,26 @@ def test_gguf_matches_transformers(family):
     references = family_gguf.hf_greedy(family, prompts, MAX_TOKENS)
     mismatches, ties = families.compare([o.token_ids for o in _greedy(llm, prompts)], references)
     print(f"{family} GGUF f32: {len(prompts) - len(mismatches) - ties} equal, {ties} ties")
+    assert not mismatches, mismatches
+    assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize(
+    "family",
+    [pytest.param(f, marks=[] if f in TRITON_SUITE else [pytest.mark.slow]) for f in family_gguf.CONVERTED],
+)
+def test_gguf_matches_transformers_on_triton(family):
+    llm = LLM(
+        model=str(family_gguf.gguf_path(family, "f32")),
+        dtype="float32",
+        quantization="none",
+        attention_backend="triton",
+        seed=0,
+    )
+    prompts = _prompts(llm)[:2]
+    references = family_gguf.hf_greedy(family, prompts, MAX_TOKENS)
+    mismatches, ties = families.compare([o.token_ids for o in _greedy(llm, prompts)], references)
+    print(f"{family} GGUF f32 on Triton: {len(prompts) - len(mismatches) - ties} equal, {ties} ties")
     assert not mismatches, mismatches
     assert_all_blocks_free(llm)
 

@@ -7,8 +7,8 @@ import torch.nn.functional as F
 
 from inference_engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from inference_engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from kernels.cpu.linear import prepacking_works
-from kernels.quantized import Int4Weight, Int8Weight
+from llmserve_kernels.cpu.linear import prepacking_works
+from llmserve_kernels.quantized import Int4Weight, Int8Weight
 
 BF16 = torch.bfloat16
 

@@ -10,7 +10,7 @@ import torch
 from inference_engine import LLM, SamplingParams
 from inference_engine.attention.torch_backend import NATIVE_QUERY_MIN, native_query_max
 from inference_engine.layers.linear import LinearBase
-from kernels.cpu.linear import FORCED_DENSE_ROWS, _DequantizedMatmul
+from llmserve_kernels.cpu.linear import FORCED_DENSE_ROWS, _DequantizedMatmul
 
 from .conftest import PROMPTS
 

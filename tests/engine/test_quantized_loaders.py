@@ -19,9 +19,9 @@ from safetensors import safe_open
 from inference_engine import LLM
 from inference_engine.errors import InvalidRequestError
 from inference_engine.model_loader import gguf_quant, hf_quant, load_model
-from kernels.cpu._build import available, function, i32
-from kernels.cpu.linear import QUANT_PREFETCH_BYTES
-from kernels.quantized import Int4Weight, Int8Weight
+from llmserve_kernels.cpu._build import available, function, i32
+from llmserve_kernels.cpu.linear import QUANT_PREFETCH_BYTES
+from llmserve_kernels.quantized import Int4Weight, Int8Weight
 
 from . import quant_checkpoints as qc
 from .conftest import greedy

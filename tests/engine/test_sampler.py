@@ -18,8 +18,8 @@ from inference_engine import SamplingParams
 from inference_engine.sampler import Sampler, apply_edits, sample_rows
 from inference_engine.sampling_metadata import SamplingMetadata, TokenHistory
 from inference_engine.sequence import Sequence, SequenceGroup
-from kernels.cpu import available
-from kernels.cpu import sampling as cpu_sampling
+from llmserve_kernels.cpu import available
+from llmserve_kernels.cpu import sampling as cpu_sampling
 
 EOS = 2
 

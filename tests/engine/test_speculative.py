@@ -13,8 +13,8 @@ from inference_engine import LLM, SamplingParams, speculative
 from inference_engine.bus.protocol import ModelInfo, ReplicaInfo
 from inference_engine.errors import InvalidRequestError
 from inference_engine.speculative import NgramConfig, fit_to_rows, ngram_proposal
-from kernels.cpu.linear import SAME_BITS_ROWS, cheap_bf16_rows, cheap_quant_rows
 from llmserve import metrics
+from llmserve_kernels.cpu.linear import SAME_BITS_ROWS, cheap_bf16_rows, cheap_quant_rows
 
 from .conftest import PROMPTS, assert_all_blocks_free, greedy
 

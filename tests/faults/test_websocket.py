@@ -32,9 +32,11 @@ async def _open(stack: LauncherStack) -> ChatSocket:
     return ws
 
 
-async def _ending(ws: ChatSocket, timeout: float = 20, case: str = "") -> tuple[list[dict], bool]:
-    """The messages until the server goes quiet or closes, and whether it closed with a close frame. A
-    connection that ends without one fails the test."""
+async def _ending(
+    ws: ChatSocket, timeout: float = 20, case: str = "", until: str | None = None
+) -> tuple[list[dict], bool]:
+    """The messages until the server goes quiet, closes, or sends one of type `until`, and whether it closed
+    with a close frame. A connection that ends without one fails the test."""
     messages = []
     try:
         while True:
@@ -42,6 +44,8 @@ async def _ending(ws: ChatSocket, timeout: float = 20, case: str = "") -> tuple[
             if message is None:
                 return messages, True
             messages.append(message)
+            if message["type"] == until:
+                return messages, False
     except TimeoutError:
         return messages, False
     except (asyncio.IncompleteReadError, ConnectionError) as exc:
@@ -121,14 +125,14 @@ def test_websocket_fuzzing_never_drops_a_socket_without_a_close_code(launched: L
     async def one(name: str, opcode: int, payload: bytes, bits: int) -> str:
         ws = await _open(launched)
         ws._frame(opcode, payload, bits)
-        messages, closed = await _ending(ws, timeout=2, case=name)
+        messages, closed = await _ending(ws, timeout=0.5, case=name)
         if closed:
             assert ws.close_code is not None and ws.close_code != 1006, (name, ws.close_code)
             return f"closed {ws.close_code}"
         kinds = {m["type"] for m in messages}
         assert kinds <= {"error", "models", "start", "delta", "end"}, (name, messages)
         ws.send({"type": "models"})  # still answering (or, mid-fragment, closing with a code)
-        after, closed = await _ending(ws, timeout=5, case=name)
+        after, closed = await _ending(ws, timeout=10, case=name, until="models")
         if closed:
             assert ws.close_code is not None and ws.close_code != 1006, (name, ws.close_code)
             return f"closed {ws.close_code} on the next frame"

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from kernels.cpu import _build
+from llmserve_kernels.cpu import _build
 
 # x86 generations with different vector extensions: AVX2 only; AVX-512 without VNNI; with VNNI but without
 # BF16 (Ice Lake, as Cascade Lake); with BF16 and AMX; and nothing beyond SSE2.

@@ -11,10 +11,10 @@ import sys
 import pytest
 import torch
 
-import kernels.cpu
+import llmserve_kernels.cpu
 from inference_engine.attention.torch_backend import EVERY_LENGTH, NATIVE_QUERY_MIN, decode_reference
-from kernels.cpu import attention as cpu_attention
-from kernels.reference import paged_decode_attention_ref
+from llmserve_kernels.cpu import attention as cpu_attention
+from llmserve_kernels.reference import paged_decode_attention_ref
 
 F32, BF16 = torch.float32, torch.bfloat16
 
@@ -37,7 +37,7 @@ def routine(request):
 
 def test_kernel_builds_here():
     """The suite's machine has a C compiler, so the engine tests run the native kernel, not the fallback."""
-    assert kernels.cpu.available()
+    assert llmserve_kernels.cpu.available()
 
 
 # (seq_lens, block_size, head_dim, num_heads, num_kv_heads, dtype). Lengths cover 1, exact block ends
@@ -190,7 +190,7 @@ def test_declines_what_it_cannot_run(paged_kv, rand):
 
 
 def test_can_be_switched_off():
-    code = "import kernels.cpu; print(kernels.cpu.available())"
+    code = "import llmserve_kernels.cpu; print(llmserve_kernels.cpu.available())"
     env = {**os.environ, "LLMSERVE_CPU_KERNELS": "0"}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
@@ -222,7 +222,7 @@ def test_backend_matches_extend_reference(
     rest (or, without native kernels, every chunk) through SDPA. The limit is pinned, as CPUs measure it:
     no longer than the decode kernel's chunks (no extend kernel), or far longer."""
     from inference_engine.attention import torch_backend
-    from kernels.reference import paged_extend_attention_ref
+    from llmserve_kernels.reference import paged_extend_attention_ref
 
     monkeypatch.setattr(torch_backend, "native_query_max", lambda *args: limit)
     if native != "extend":
@@ -306,8 +306,8 @@ def test_unwritable_cache_falls_back_to_pytorch(tmp_path):
     blocked = tmp_path / "cache"
     blocked.write_text("a file where the cache folder should be")
     code = (
-        "import torch; from kernels.cpu import available, fused; x = torch.ones(2, 8, dtype=torch.bfloat16); "
-        "print(available(), fused.add_rms_norm(x, x, x[0], 1e-5))"
+        "import torch; from llmserve_kernels.cpu import available, fused; "
+        "x = torch.ones(2, 8, dtype=torch.bfloat16); print(available(), fused.add_rms_norm(x, x, x[0], 1e-5))"
     )
     env = {**os.environ, "XDG_CACHE_HOME": str(blocked)}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)

@@ -11,10 +11,10 @@ import math
 import pytest
 import torch
 
-from kernels.cpu import available
-from kernels.cpu.decoder import DecoderLayer, Extend, NativeDecoder
-from kernels.cpu.linear import PackedLinear, _BF16Tiles, native_bf16
-from kernels.reference import rotary_embedding_ref
+from llmserve_kernels.cpu import available
+from llmserve_kernels.cpu.decoder import DecoderLayer, Extend, NativeDecoder
+from llmserve_kernels.cpu.linear import PackedLinear, _BF16Tiles, native_bf16
+from llmserve_kernels.reference import rotary_embedding_ref
 
 BF16, F32 = torch.bfloat16, torch.float32
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, LAYERS = 128, 4, 2, 64, 192, 2

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.cpu import attention as cpu_attention
-from kernels.reference import paged_extend_attention_ref
+from llmserve_kernels.cpu import attention as cpu_attention
+from llmserve_kernels.reference import paged_extend_attention_ref
 
 BF16 = torch.bfloat16
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from inference_engine.layers.rotary import RotaryEmbedding
-from kernels.cpu import fused as cpu_fused
+from llmserve_kernels.cpu import fused as cpu_fused
 
 BF16 = torch.bfloat16
 

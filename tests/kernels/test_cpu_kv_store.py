@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from inference_engine.attention import torch_backend
-from kernels.cpu import attention as cpu_attention
+from llmserve_kernels.cpu import attention as cpu_attention
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""The CPU linear kernels (`kernels.cpu.linear`) against the fp32 matmul of the weight they were given
+"""The CPU linear kernels (kernels/cpu/linear.py) against the fp32 matmul of the weight they were given
 (`x.float() @ w.dequantize().T` for quantized weights), on fresh random inputs.
 
 Every routine is run by itself (the native AVX-512 kernels, their plain C loops, oneDNN, dequantize and
@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.cpu import huge_pages
-from kernels.cpu import linear as cpu_linear
-from kernels.cpu._build import available, function, i32
-from kernels.quantized import Int4Weight, Int8Weight
+from llmserve_kernels.cpu import huge_pages
+from llmserve_kernels.cpu import linear as cpu_linear
+from llmserve_kernels.cpu._build import available, function, i32
+from llmserve_kernels.quantized import Int4Weight, Int8Weight
 
 BF16, FP32 = torch.bfloat16, torch.float32
 ROWS = (1, 2, 3, 4, 5, 8, 16, 33, 300)
@@ -625,8 +625,8 @@ def test_the_routine_is_chosen_when_packing_not_per_call(gen, monkeypatch):
 
 FALLBACK_SCRIPT = """
 import torch
-from kernels.cpu import linear as L
-from kernels.quantized import Int4Weight, Int8Weight
+from llmserve_kernels.cpu import linear as L
+from llmserve_kernels.quantized import Int4Weight, Int8Weight
 gen = torch.Generator().manual_seed(0)
 w = torch.randn(96, 64, generator=gen).bfloat16()
 p = L.pack(w, torch.bfloat16, keep_rows=True)

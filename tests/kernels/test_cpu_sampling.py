@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from inference_engine import sampler
-from kernels.cpu import available
-from kernels.cpu import sampling as cpu_sampling
+from llmserve_kernels.cpu import available
+from llmserve_kernels.cpu import sampling as cpu_sampling
 
 pytestmark = pytest.mark.skipif(not available(), reason="no C compiler for the CPU kernels")
 

@@ -10,8 +10,8 @@ import threading
 import pytest
 import torch
 
-from kernels.cpu import available
-from kernels.cpu.team import spread_team
+from llmserve_kernels.cpu import available
+from llmserve_kernels.cpu.team import spread_team
 from tests.thread_masks import TASKS, thread_masks
 
 pytestmark = pytest.mark.skipif(

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.cpu import attention as cpu_attention
-from kernels.reference import paged_decode_attention_ref, paged_extend_attention_ref
+from llmserve_kernels.cpu import attention as cpu_attention
+from llmserve_kernels.reference import paged_decode_attention_ref, paged_extend_attention_ref
 
 F32, BF16 = torch.float32, torch.bfloat16
 

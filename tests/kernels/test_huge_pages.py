@@ -1,4 +1,4 @@
-"""`kernels.cpu.huge_pages`: packed weights copied into memory that asks Linux for 2 MiB pages, and the KV
+"""kernels/cpu/huge_pages.py: packed weights copied into memory that asks Linux for 2 MiB pages, and the KV
 cache allocated there."""
 
 from pathlib import Path
@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.cpu import huge_pages
-from kernels.cpu.huge_pages import on_huge_pages, zeros_on_huge_pages
+from llmserve_kernels.cpu import huge_pages
+from llmserve_kernels.cpu.huge_pages import on_huge_pages, zeros_on_huge_pages
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 needs_thp = pytest.mark.skipif(

@@ -1,7 +1,7 @@
 """Every production kernel variant compiles for sm_90 (H100/H200) without spilling registers.
 
 The interpreter runs what the GPU compiler would reject (a ``tl.dot`` narrower than 16) and cannot see
-register pressure, so `kernels.triton.compile_check` compiles the kernels through their launchers with
+register pressure, so kernels/triton/compile_check.py compiles the kernels through their launchers with
 Triton's bundled ptxas, in a process of its own without ``TRITON_INTERPRET``. No GPU is needed.
 """
 
@@ -23,7 +23,7 @@ def test_kernels_compile_for_sm90_without_spills():
         pytest.skip("this Triton build bundles no CUDA ptxas / cuobjdump")
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     result = subprocess.run(
-        [sys.executable, "-m", "kernels.triton.compile_check"],
+        [sys.executable, "-m", "llmserve_kernels.triton.compile_check"],
         cwd=REPO_ROOT,
         env=env,
         capture_output=True,

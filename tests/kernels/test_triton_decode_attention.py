@@ -8,9 +8,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels.reference import paged_decode_attention_ref
-from kernels.triton import paged_decode_attention
-from kernels.triton.decode_attention import MAX_SPLITS, choose_num_splits
+from llmserve_kernels.reference import paged_decode_attention_ref
+from llmserve_kernels.triton import paged_decode_attention
+from llmserve_kernels.triton.decode_attention import MAX_SPLITS, choose_num_splits
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 

@@ -8,9 +8,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels.reference import paged_extend_attention_ref
-from kernels.triton import paged_extend_attention
-from kernels.triton.extend_attention import extend_grid, extend_tile
+from llmserve_kernels.reference import paged_extend_attention_ref
+from llmserve_kernels.triton import paged_extend_attention
+from llmserve_kernels.triton.extend_attention import extend_grid, extend_tile
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
@@ -73,7 +73,7 @@ def test_extend_matches_reference(
 
 def test_extend_with_one_token_chunks_equals_decode(paged_kv, rand):
     """q_len = 1 everywhere must give exactly the decode kernel's answer (up to float rounding)."""
-    from kernels.triton import paged_decode_attention
+    from llmserve_kernels.triton import paged_decode_attention
 
     kv = paged_kv([1, 24, 25], 8, 3, 64, F32)
     q = rand(3, 9, 64, dtype=F32)

@@ -6,8 +6,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels.reference import add_rms_norm_ref, rotary_embedding_ref, silu_and_mul_ref
-from kernels.triton.fused import add_rms_norm, rms_norm, rotary_embedding_, silu_and_mul
+from llmserve_kernels.reference import add_rms_norm_ref, rotary_embedding_ref, silu_and_mul_ref
+from llmserve_kernels.triton.fused import add_rms_norm, rms_norm, rotary_embedding_, silu_and_mul
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 # Each kernel rounds once per stored value, as its reference does, yet a result may differ by a unit in the

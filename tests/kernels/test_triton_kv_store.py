@@ -5,8 +5,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels.reference import store_kvcache_ref
-from kernels.triton import store_kvcache
+from llmserve_kernels.reference import store_kvcache_ref
+from llmserve_kernels.triton import store_kvcache
 
 
 @pytest.mark.parametrize(

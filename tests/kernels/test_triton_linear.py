@@ -7,8 +7,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels.quantized import Int4Weight, Int8Weight
-from kernels.triton.linear import (
+from llmserve_kernels.quantized import Int4Weight, Int8Weight
+from llmserve_kernels.triton.linear import (
     CHUNK,
     DEQUANTIZE_ROWS,
     MAX_SPLIT_K,

@@ -11,8 +11,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels.reference import paged_decode_attention_ref, paged_extend_attention_ref
-from kernels.triton import paged_decode_attention, paged_extend_attention
+from llmserve_kernels.reference import paged_decode_attention_ref, paged_extend_attention_ref
+from llmserve_kernels.triton import paged_decode_attention, paged_extend_attention
 
 F32, BF16 = torch.float32, torch.bfloat16
 
