@@ -1,0 +1,41 @@
+"""The kernels' import name is ours, `llmserve_kernels`: a top-level `kernels` is Hugging Face's package
+(which transformers imports), and installing llmserve or running from the checkout's folder must not hide
+theirs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_wheel_installs_llmserve_kernels_and_no_kernels(tmp_path):
+    build = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
+    subprocess.run(
+        [*build, "-w", tmp_path, ROOT],
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = tmp_path.glob("llmserve-*.whl")
+    tops = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
+    assert {"llmserve", "inference_engine", "llmserve_kernels"} <= tops
+    assert "kernels" not in tops
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "llmserve_kernels/cpu/csrc/decoder.c" in names  # compiled on the user's machine
+
+
+def test_another_kernels_package_wins_from_the_checkouts_folder(tmp_path):
+    """Hugging Face's `kernels` (a stand-in package here) imports as itself beside ours, even with the
+    checkout's folder first on the path, where our kernels/ folder is."""
+    theirs = tmp_path / "site" / "kernels"
+    theirs.mkdir(parents=True)
+    (theirs / "__init__.py").write_text("HUGGING_FACE = True\n")
+    code = "import kernels, inference_engine, llmserve_kernels.cpu; print(kernels.HUGGING_FACE)"
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "True"
