@@ -43,6 +43,14 @@ STANDINS = {
     "POSTGRES_IMAGE": "localhost/standin-postgres:15",
     "REDIS_IMAGE": "localhost/standin-redis:7",
 }
+# The image's layers by a word of the instruction that made them.
+LAYERS = (
+    ("for package in", ".venv with the model"),
+    ("gcc", "C compiler"),
+    ("python3-venv", "Python"),
+    ("ADD file", "Debian"),
+    ("COPY dir", "code"),
+)
 PROJECT = "llmserve-check"  # compose project, kube network and container names start with it
 START_TIMEOUT = 900.0  # seconds to healthy: a first start builds the CPU kernels and times them
 TOOLS = Path(sys.executable).parent
@@ -127,18 +135,22 @@ def build_image() -> None:
             podman("build", *build_args(), "-t", IMAGE, str(ROOT))
     finally:
         change.unlink(missing_ok=True)
+    image_size()
+
+
+def image_size() -> None:
     with timed("image size") as detail:
-        size = json.loads(podman("image", "inspect", IMAGE))[0]["Size"]
-        listing = podman(
+        detail.append(f"{json.loads(podman('image', 'inspect', IMAGE))[0]['Size'] / 1e9:.2f} GB:")
+        for layer in json.loads(podman("history", "--format", "json", IMAGE)):
+            name = next((n for key, n in LAYERS if key in layer["CreatedBy"]), "")
+            if layer["size"] > 1e6 and name:
+                detail.append(f"{name} {layer['size'] / 1e6:.0f} MB,")
+        largest = podman(
             "run", "--rm", "--entrypoint", "sh", IMAGE, "-c",
-            "du -sm .venv /usr/lib/gcc /usr/lib/python3* /usr/libexec/gcc 2>/dev/null; "
-            "du -sm .venv/lib/python3*/site-packages/* | sort -rn | head -6",
+            "du -sm .venv/lib/python3*/site-packages/* | sort -rn | head -5",
         )  # fmt: skip
-        parts = [
-            f"{int(mb)} MB {Path(path).name or path}"
-            for mb, path in (ln.split("\t") for ln in listing.splitlines())
-        ]
-        detail.append(f"{size / 1e9:.2f} GB; " + ", ".join(parts))
+        packages = (line.split("\t") for line in largest.splitlines())
+        detail.append("in .venv: " + ", ".join(f"{Path(path).name} {mb} MB" for mb, path in packages))
 
 
 # -- the requests each way gets -----------------------------------------------------------------------------
@@ -301,6 +313,9 @@ def kubernetes(teardown: list[Callable[[], None]]) -> None:
             podman("secret", "rm", name, check=False)
         podman("network", "rm", "-f", network, check=False)
 
+    kube_network = "podman-default-kube-network"  # made by the first `kube play`, whatever --network says
+    if subprocess.run(["podman", "network", "exists", kube_network]).returncode != 0:
+        teardown.append(lambda: podman("network", "rm", kube_network, check=False))
     teardown.append(down)
     for name, data in secret_data.items():
         (work / f"{name}.json").write_text(json.dumps(data))
