@@ -57,7 +57,7 @@ COPY --chown=llmserve:llmserve . .
 RUN scripts/setup && mkdir -p var
 
 EXPOSE 8000
-# The web tier's health (compose and Kubernetes set their own checks for the engine and the worker).
+# The web tier's health: compose turns it off for the engine and the worker; Kubernetes uses its own probes.
 HEALTHCHECK --interval=10s --timeout=6s --start-period=180s --retries=3 \
     CMD [".venv/bin/python", "-c", "import urllib.request as u; u.urlopen('http://127.0.0.1:8000/health', timeout=5)"]
 # The whole stack in one container (a private Redis, SQLite unless DATABASE_URL is set); compose.yaml and
