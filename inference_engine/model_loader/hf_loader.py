@@ -26,8 +26,9 @@ def load(folder: Path, quantization: str | None = None) -> LoadedModel:
     method = resolve_quantization(quantization, declared, f"the checkpoint {folder.name}")
     eos = raw.get("eos_token_id")
     eos_ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
+    config = model_config(raw, eos_ids)  # refuses an unsupported model before anything else is read
     tokenizer = load_hf_tokenizer(folder, eos_ids)
-    config = model_config(raw, tokenizer.eos_token_ids)
+    config.eos_token_ids = tokenizer.eos_token_ids
     qconfig = (
         hf_quant.QuantConfig(declared, raw["quantization_config"]) if declared in hf_quant.METHODS else None
     )
