@@ -9,32 +9,25 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 import torch
-from torch import nn
 
 from inference_engine.attention import AttentionMetadata
 from inference_engine.layers.linear import Weight
 from inference_engine.layers.norm import RMSNorm
 from inference_engine.model_loader import ModelConfig
-from inference_engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from inference_engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 
-class GemmaDecoderLayer(nn.Module):
+class GemmaDecoderLayer(LlamaDecoderLayer):
+    """Llama's layer with two more norms: post_attention_layernorm normalises the attention's output here,
+    and the MLP's input and output have their own."""
+
     def __init__(self, config: ModelConfig, layer: int, rotary, backend, qk_norm: str | None) -> None:
-        super().__init__()
-        self.self_attn = LlamaAttention(config, layer, rotary, backend, qk_norm)
-        self.mlp = LlamaMLP(config)
-        eps = config.rms_norm_eps
-        self.input_layernorm = RMSNorm(config.hidden_size, eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
-        self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps)
-        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps)
+        super().__init__(config, layer, rotary, backend, qk_norm)
+        self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions, hidden, residual, meta: AttentionMetadata):
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = self.normed_input(hidden, residual)
         hidden = self.post_attention_layernorm(self.self_attn(positions, hidden, meta))
         hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual

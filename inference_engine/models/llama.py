@@ -137,14 +137,17 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions, hidden, residual, meta: AttentionMetadata):
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = self.normed_input(hidden, residual)
         hidden = self.self_attn(positions, hidden, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
+
+    def normed_input(self, hidden, residual):
+        """(the input norm of the stream, the stream): the stream is hidden + residual (hidden alone in the
+        first layer), added inside the norm's kernel."""
+        if residual is None:
+            return self.input_layernorm(hidden), hidden
+        return self.input_layernorm(hidden, residual)
 
     def native_norms(self) -> dict[str, torch.Tensor | None]:
         """This layer's norm weights by the place `llmserve_kernels.cpu.decoder.DecoderLayer` gives them."""
