@@ -13,7 +13,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import torch
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from inference_engine.config import resolve_quantization
@@ -110,6 +110,9 @@ _QWEN2_SPLIT = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _SPLIT_DIGITS = {"smollm", "starcoder", "refact", "command-r", "codeshell"}
+# SentencePiece's piece types as the converter writes them (`tokenizer.ggml.token_type`) and its space.
+_NORMAL, _BYTE = 1, 6
+_SPACE = "\u2581"
 
 
 def load(path: Path, quantization: str | None = None) -> LoadedModel:
@@ -303,22 +306,18 @@ def _tokenizer(reader: gguf_file.GGUFFile) -> Tokenizer:
         return reader.fields.get(f"tokenizer.ggml.{name}", default)
 
     kind = field("model")
-    if kind != "gpt2":
-        raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE, 'gpt2').")
+    if kind not in ("gpt2", "llama"):
+        raise ValueError(
+            f"GGUF tokenizer model {kind!r} is not supported "
+            "(byte-level BPE 'gpt2' and SentencePiece 'llama')."
+        )
     tokens: list[str] = field("tokens")
     token_types: list[int] = field("token_type", [1] * len(tokens))
-    merges = [tuple(m.split(" ", 1)) for m in field("merges", [])]
     vocab = {token: i for i, token in enumerate(tokens)}
-    backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False, fuse_unk=False))
-    pre = field("pre", "default")
-    split = _QWEN2_SPLIT if pre == "qwen2" else _GPT2_SPLIT
-    steps = [pre_tokenizers.Digits(individual_digits=True)] if pre in _SPLIT_DIGITS else []
-    steps += [
-        pre_tokenizers.Split(Regex(split), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ]
-    backend.pre_tokenizer = pre_tokenizers.Sequence(steps)
-    backend.decoder = decoders.ByteLevel()
+    if kind == "gpt2":
+        backend = _byte_level_bpe(vocab, field)
+    else:
+        backend = _sentencepiece_bpe(tokens, token_types, field)
     # Control (3) and user-defined (4) tokens are matched whole, before BPE, like in the original tokenizer.
     backend.add_special_tokens(
         [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(token_types) if t == 3]
@@ -329,7 +328,7 @@ def _tokenizer(reader: gguf_file.GGUFFile) -> Tokenizer:
     eos = field("eos_token_id")
     eos_ids = [eos] if eos is not None else []
     # Chat models end a turn with their template's end token; treat it as EOS too.
-    for end_token in ("<|im_end|>", "<|eot_id|>", "<|end|>"):
+    for end_token in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>"):
         token_id = vocab.get(end_token)
         if token_id is not None and token_id not in eos_ids:
             eos_ids.append(token_id)
@@ -337,6 +336,63 @@ def _tokenizer(reader: gguf_file.GGUFFile) -> Tokenizer:
         backend,
         eos_token_ids=eos_ids,
         bos_token_id=field("bos_token_id"),
-        add_bos_token=bool(field("add_bos_token", False)),
+        # llama.cpp's defaults where the file is silent: a BOS for SentencePiece vocabularies, none for BPE.
+        add_bos_token=bool(field("add_bos_token", kind == "llama")),
         chat_template=reader.fields.get("tokenizer.chat_template"),
     )
+
+
+def _byte_level_bpe(vocab: dict[str, int], field) -> HFTokenizer:
+    merges = [tuple(m.split(" ", 1)) for m in field("merges", [])]
+    backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False, fuse_unk=False))
+    pre = field("pre", "default")
+    split = _QWEN2_SPLIT if pre == "qwen2" else _GPT2_SPLIT
+    steps = [pre_tokenizers.Digits(individual_digits=True)] if pre in _SPLIT_DIGITS else []
+    steps += [
+        pre_tokenizers.Split(Regex(split), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ]
+    backend.pre_tokenizer = pre_tokenizers.Sequence(steps)
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _sentencepiece_bpe(tokens: list[str], token_types: list[int], field) -> HFTokenizer:
+    """A SentencePiece BPE vocabulary (pieces, scores, types; no merges) as a `tokenizers` BPE that encodes
+    as SentencePiece and llama.cpp do: the whole text, spaces as U+2581, starts with one where the file says
+    `add_space_prefix`; the adjacent pair whose joined piece scores highest merges first, so the merges are
+    every split of a normal piece into two pieces, ranked by the joined piece's score; characters no piece
+    covers fall back to their UTF-8 bytes (<0xNN>)."""
+    scores: list[float] = field("scores", [0.0] * len(tokens))
+    vocab = {token: i for i, token in enumerate(tokens)}
+    ranked = sorted(
+        (i for i, t in enumerate(token_types) if t == _NORMAL and len(tokens[i]) > 1),
+        key=lambda i: (-scores[i], i),
+    )
+    merges = []
+    for i in ranked:
+        piece = tokens[i]
+        merges += [
+            (piece[:k], piece[k:]) for k in range(1, len(piece)) if piece[:k] in vocab and piece[k:] in vocab
+        ]
+    unk = field("unknown_token_id")
+    backend = HFTokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=merges,
+            unk_token=tokens[unk] if unk is not None else None,
+            byte_fallback=_BYTE in token_types,
+            fuse_unk=True,
+            ignore_merges=False,
+        )
+    )
+    replace = normalizers.Replace(" ", _SPACE)
+    space_prefix = bool(field("add_space_prefix", True))
+    backend.normalizer = (
+        normalizers.Sequence([normalizers.Prepend(_SPACE), replace]) if space_prefix else replace
+    )
+    steps = [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if space_prefix:
+        steps.append(decoders.Strip(" ", 1, 0))
+    backend.decoder = decoders.Sequence(steps)
+    return backend

@@ -1,0 +1,100 @@
+"""GGUF files with a SentencePiece vocabulary (`tokenizer.ggml.model` "llama", as llama.cpp's converter
+writes Llama 2, Mistral v0.1, Gemma and Phi-3 files): the tokenizer the loader rebuilds from the pieces,
+scores and types encodes to the SentencePiece model's own ids and decodes them back, and the engine on a
+converted checkpoint gives transformers' fp32 greedy tokens on the original (`spm_gguf`)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+import sentencepiece
+
+from inference_engine import LLM, SamplingParams
+from inference_engine.model_loader import gguf_file, gguf_loader
+
+from . import families, spm_gguf
+from .conftest import assert_all_blocks_free
+from .quant_checkpoints import CACHE, cached_json
+from .test_families import MAX_TOKENS
+from .test_families import TEXTS as PROMPTS
+
+TEXTS = [
+    "The river carries water from distant mountains.",
+    "  two leading spaces and   three inside ",
+    "def add(a, b):\n    return a + b\n",
+    "for i in range(10):\n\tprint(i * i)",
+    "今天天气很好，我们去公园散步。",
+    "罕见字龘靐 and an emoji 🎉, café, naïve, Ωμέγα",  # characters the model does not cover: bytes
+    "Order 1234567 cost 3.25 dollars on 2024-05-17.",
+    "SELECT name FROM items WHERE price < 100;",
+    "",
+    " ",
+    "\n\n",
+]
+MARKED = "<start_of_turn>user\nhi there<end_of_turn>\n"
+
+
+def _tokenizers(family: str):
+    original = sentencepiece.SentencePieceProcessor(
+        model_file=str(spm_gguf.folder(family) / "tokenizer.model")
+    )
+    ours = gguf_loader._tokenizer(gguf_file.read(spm_gguf.gguf_path(family)))
+    return original, ours
+
+
+@pytest.mark.parametrize("family", sorted(spm_gguf.SPACE_PREFIX))
+def test_spm_gguf_tokenizer_encodes_and_decodes_as_sentencepiece(family):
+    original, ours = _tokenizers(family)
+    fallback = 0
+    for text in TEXTS:
+        ids = ours.encode(text, add_special_tokens=False)
+        assert ids == original.encode(text), text
+        assert ours.decode(ids) == original.decode(ids) == text
+        assert ours.encode(text) == [original.bos_id(), *ids]  # llama.cpp's default: a BOS
+        fallback += sum(ours.id_to_token(i).startswith("<0x") for i in ids)
+    assert fallback > 0  # the byte fallback was exercised
+    # Gemma's model puts no space before the text, Llama 2's does (the file says so: add_space_prefix).
+    first = ours.id_to_token(ours.encode("the river", add_special_tokens=False)[0])
+    assert first.startswith("\u2581") == spm_gguf.SPACE_PREFIX[family]
+
+
+@pytest.mark.parametrize("family", sorted(spm_gguf.SPACE_PREFIX))
+def test_spm_gguf_turn_markers_are_special_tokens(family):
+    """The turn markers are whole tokens, as in the original model, and special (dropped on decoding).
+    Where the model puts no space before the text, the ids are SentencePiece's own; where it does, the text
+    after a marker gets that space too, as llama.cpp tokenizes it (SentencePiece, which reads no markers out
+    of the text first, puts it only before the whole)."""
+    original, ours = _tokenizers(family)
+    ids = ours.encode(MARKED, add_special_tokens=False)
+    start, end = (original.piece_to_id(t) for t in spm_gguf.USER_DEFINED)
+    assert ids.count(start) == ids.count(end) == 1
+    assert ids[0] == start
+    assert ours.id_to_token(ids[1]).startswith("\u2581") == spm_gguf.SPACE_PREFIX[family]
+    if not spm_gguf.SPACE_PREFIX[family]:
+        assert ids == original.encode(MARKED)
+        assert ours.decode(ids, skip_special_tokens=False) == original.decode(ids) == MARKED
+    assert ours.decode(ids) == original.decode([i for i in ids if i not in (start, end)])
+
+
+def test_spm_gguf_matches_transformers():
+    """The Llama 2 style file (the `llama` architecture with linear rope scaling) on our engine gives
+    transformers' fp32 greedy tokens on the checkpoint it was converted from."""
+    llm = LLM(model=str(spm_gguf.gguf_path("llama-linear")), dtype="float32", quantization="none", seed=0)
+    tokenizer = llm.get_tokenizer()
+    prompts = [tokenizer.encode(text) for text in PROMPTS]
+    digest = hashlib.sha256(json.dumps([prompts, MAX_TOKENS]).encode()).hexdigest()[:16]
+    path = CACHE / f"{spm_gguf.gguf_path('llama-linear').parent.name}-greedy-{digest}.json"
+    references = [
+        tuple(r)
+        for r in cached_json(
+            path, lambda: families._hf_greedy(spm_gguf.folder("llama-linear"), prompts, MAX_TOKENS)
+        )
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    mismatches, ties = families.compare([o.outputs[0].token_ids for o in outputs], references)
+    print(f"llama-linear SentencePiece GGUF f32: {len(prompts) - len(mismatches) - ties} equal, {ties} ties")
+    assert not mismatches, mismatches
+    assert_all_blocks_free(llm)
