@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
 
 import pytest
 import sentencepiece
@@ -58,6 +59,23 @@ def test_spm_gguf_tokenizer_encodes_and_decodes_as_sentencepiece(family):
     # Gemma's model puts no space before the text, Llama 2's does (the file says so: add_space_prefix).
     first = ours.id_to_token(ours.encode("the river", add_special_tokens=False)[0])
     assert first.startswith("\u2581") == spm_gguf.SPACE_PREFIX[family]
+
+
+@pytest.mark.parametrize("family", sorted(spm_gguf.SPACE_PREFIX))
+def test_spm_gguf_tokenizer_on_the_training_lines_and_random_text(family):
+    """Where merge order matters most: the lines the model learnt its merges from, and random strings of
+    letters, digits, punctuation, whitespace, Chinese and uncovered characters."""
+    original, ours = _tokenizers(family)
+    rng = random.Random(0)
+    alphabet = (
+        "abcdefghijklmnopqrstuvwxyz  ABCXYZ0123456789.,;:()[]{}\n\t _-+=*/今天天气很好我们去公园散步龘éΩ🎉"
+    )
+    texts = [line for line in spm_gguf.corpus() if "<" not in line]
+    texts += ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 60))) for _ in range(1000)]
+    for text in texts:
+        ids = original.encode(text)
+        assert ours.encode(text, add_special_tokens=False) == ids, text
+        assert ours.decode(ids) == original.decode(ids), text
 
 
 @pytest.mark.parametrize("family", sorted(spm_gguf.SPACE_PREFIX))
