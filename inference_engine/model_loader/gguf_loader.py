@@ -34,6 +34,7 @@ SUPPORTED_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "granite": "GraniteForCausalLM",
@@ -42,9 +43,11 @@ SUPPORTED_ARCHITECTURES = {
 # and the classes built on it); the others rotate halves as transformers does and are stored as they are.
 _PERMUTED = {"llama", "granite"}
 # Gemma's converter stores its (1 + w) norms as the sum; the checkpoint convention is w.
-_OFFSET_NORMS = {"gemma3"}
+_OFFSET_NORMS = {"gemma2", "gemma3"}
 # llama.cpp's sliding-window layer pattern where the file gives none: every n-th layer is global.
-_WINDOW_PATTERN = {"gemma3": 6, "olmo2": 4}
+_WINDOW_PATTERN = {"gemma2": 2, "gemma3": 6, "olmo2": 4}
+
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 # `{arch}.` metadata the mapping below reads; any other key of the architecture is refused, since it could
 # change the computation (general.* keys describe the file and are ignored).
@@ -99,7 +102,10 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 # Gemma's ffn_norm is the norm before its MLP; its post_attention_norm is the one after attention.
-_ARCH_LAYER_NAMES = {"gemma3": {"ffn_norm": "pre_feedforward_layernorm"}}
+_ARCH_LAYER_NAMES = {
+    "gemma2": {"ffn_norm": "pre_feedforward_layernorm"},
+    "gemma3": {"ffn_norm": "pre_feedforward_layernorm"},
+}
 # Tensors that are metadata in the Hugging Face form (llama.cpp's Llama 3 rope frequency factors).
 _CONFIG_TENSORS = {"rope_freqs.weight"}
 
@@ -177,11 +183,13 @@ def hf_config_dict(reader: gguf_file.GGUFFile, meta: dict) -> dict:
     if window:
         raw["sliding_window"] = window
         raw["layer_types"] = _layer_types(arch, layers, get("attention.sliding_window_pattern"))
-    if arch == "gemma3":
-        # llama.cpp scales Gemma 3's attention by 1/sqrt(head_dim), by hidden/heads for the 27B (62 layers).
-        raw["query_pre_attn_scalar"] = hidden // heads if layers == 62 else head_dim
+    if arch in ("gemma2", "gemma3"):
+        # llama.cpp scales Gemma's attention by 1/sqrt(head_dim), by hidden/heads for the 27B (46 layers for
+        # Gemma 2, 62 for Gemma 3).
+        raw["query_pre_attn_scalar"] = hidden // heads if layers == _GEMMA_27B_LAYERS[arch] else head_dim
         raw["hidden_activation"] = "gelu_pytorch_tanh"
         raw["layer_types"] = raw.get("layer_types") or ["full_attention"] * layers
+    if arch == "gemma3":
         local = {"rope_type": "default", "rope_theta": get("rope.freq_base_swa", 10000.0)}
         rope = {"full_attention": rope, "sliding_attention": local}
     elif get("rope.freq_base_swa") is not None:

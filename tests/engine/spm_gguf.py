@@ -30,6 +30,9 @@ VOCAB_SIZE = 800
 # family -> whether its model puts a space before the text (SentencePiece's add_dummy_prefix).
 SPACE_PREFIX = {"llama-linear": True, "gemma2": False}
 USER_DEFINED = ["<start_of_turn>", "<end_of_turn>"]
+# The config fields a converted file reads back otherwise than its checkpoint declares: llama.cpp scales
+# Gemma 2's attention by 1/sqrt(head_dim) whatever query_pre_attn_scalar says (as `family_gguf.READING`).
+READING = {"gemma2": {"query_pre_attn_scalar": random_families.TINY["head_dim"]}}
 
 _SENTENCE = (
     "the river carries water from distant mountains to the quiet sea while farmers watch clouds gather "
@@ -134,5 +137,24 @@ def gguf_path(family: str) -> Path:
         if run.returncode != 0:
             raise RuntimeError(f"convert_hf_to_gguf.py failed on {family}:\n{run.stderr[-3000:]}")
 
-    key = f"spm-{family}-{_version('transformers')}-{_version('sentencepiece')}-{SPM_VERSION}"
-    return _cached(f"{key}-gguf-{LLAMA_CPP_PYTHON}", build) / f"{family}.f32.gguf"
+    return _cached(f"{_key(family)}-gguf-{LLAMA_CPP_PYTHON}", build) / f"{family}.f32.gguf"
+
+
+def reading_folder(family: str) -> Path:
+    """The checkpoint with its config as the converted file reads back (`READING`)."""
+    if family not in READING:
+        return folder(family)
+
+    def build(target: Path) -> None:
+        source = folder(family)
+        for item in source.iterdir():
+            if item.name != "config.json":
+                (target / item.name).symlink_to(item)
+        config = {**json.loads((source / "config.json").read_text()), **READING[family]}
+        (target / "config.json").write_text(json.dumps(config, indent=2))
+
+    return _cached(f"{_key(family)}-reading", build)
+
+
+def _key(family: str) -> str:
+    return f"spm-{family}-{_version('transformers')}-{_version('sentencepiece')}-{SPM_VERSION}"

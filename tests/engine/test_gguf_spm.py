@@ -96,23 +96,21 @@ def test_spm_gguf_turn_markers_are_special_tokens(family):
     assert ours.decode(ids) == original.decode([i for i in ids if i not in (start, end)])
 
 
-def test_spm_gguf_matches_transformers():
-    """The Llama 2 style file (the `llama` architecture with linear rope scaling) on our engine gives
-    transformers' fp32 greedy tokens on the checkpoint it was converted from."""
-    llm = LLM(model=str(spm_gguf.gguf_path("llama-linear")), dtype="float32", quantization="none", seed=0)
+@pytest.mark.parametrize("family", sorted(spm_gguf.SPACE_PREFIX))
+def test_spm_gguf_matches_transformers(family):
+    """The Llama 2 style file (the `llama` architecture with linear rope scaling) and the Gemma 2 one (a
+    window shorter than prompt + output, both soft-caps) on our engine give transformers' fp32 greedy tokens
+    on the checkpoint each was converted from (as the file reads it back: `spm_gguf.READING`)."""
+    path = spm_gguf.gguf_path(family)
+    llm = LLM(model=str(path), dtype="float32", quantization="none", seed=0)
     tokenizer = llm.get_tokenizer()
     prompts = [tokenizer.encode(text) for text in PROMPTS]
     digest = hashlib.sha256(json.dumps([prompts, MAX_TOKENS]).encode()).hexdigest()[:16]
-    path = CACHE / f"{spm_gguf.gguf_path('llama-linear').parent.name}-greedy-{digest}.json"
-    references = [
-        tuple(r)
-        for r in cached_json(
-            path, lambda: families._hf_greedy(spm_gguf.folder("llama-linear"), prompts, MAX_TOKENS)
-        )
-    ]
+    compute = lambda: families._hf_greedy(spm_gguf.reading_folder(family), prompts, MAX_TOKENS)  # noqa: E731
+    references = [tuple(r) for r in cached_json(CACHE / f"{path.parent.name}-greedy-{digest}.json", compute)]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     mismatches, ties = families.compare([o.outputs[0].token_ids for o in outputs], references)
-    print(f"llama-linear SentencePiece GGUF f32: {len(prompts) - len(mismatches) - ties} equal, {ties} ties")
+    print(f"{family} SentencePiece GGUF f32: {len(prompts) - len(mismatches) - ties} equal, {ties} ties")
     assert not mismatches, mismatches
     assert_all_blocks_free(llm)
