@@ -22,10 +22,11 @@ from pathlib import Path
 from benchmarks import random_families
 
 from . import families
-from .family_gguf import LLAMA_CPP_PYTHON, converter
+from .family_gguf import LLAMA_CPP_PYTHON, OUTTYPES, converter
 from .quant_checkpoints import _cached, _version
 
 SPM_VERSION = 2
+GGUF_VERSION = 2
 VOCAB_SIZE = 800
 # family -> whether its model puts a space before the text (SentencePiece's add_dummy_prefix).
 SPACE_PREFIX = {"llama-linear": True, "gemma2": False}
@@ -121,23 +122,36 @@ def folder(family: str) -> Path:
     )
 
 
-def gguf_path(family: str) -> Path:
-    """The checkpoint converted to an f32 GGUF file by llama.cpp's converter, once per machine."""
+def gguf_path(family: str, outtype: str = "f32") -> Path:
+    """The checkpoint converted to GGUF (`outtype` f32 or q8_0) by llama.cpp's converter, once per machine."""
 
     def build(target: Path) -> None:
         script = converter() / "convert_hf_to_gguf.py"
         env = {**os.environ, "PYTHONPATH": str(script.parent / "gguf-py"), "HF_HUB_OFFLINE": "1"}
-        outfile = target / f"{family}.f32.gguf"
-        run = subprocess.run(
-            [sys.executable, str(script), "--outtype", "f32", "--outfile", str(outfile), str(folder(family))],
-            env=env,
-            capture_output=True,
-            text=True,
-        )
-        if run.returncode != 0:
-            raise RuntimeError(f"convert_hf_to_gguf.py failed on {family}:\n{run.stderr[-3000:]}")
+        for kind in OUTTYPES:
+            outfile = target / f"{family}.{kind}.gguf"
+            run = subprocess.run(
+                [
+                    sys.executable,
+                    str(script),
+                    "--outtype",
+                    kind,
+                    "--outfile",
+                    str(outfile),
+                    str(folder(family)),
+                ],
+                env=env,
+                capture_output=True,
+                text=True,
+            )
+            if run.returncode != 0:
+                raise RuntimeError(
+                    f"convert_hf_to_gguf.py failed on {family} ({kind}):\n{run.stderr[-3000:]}"
+                )
 
-    return _cached(f"{_key(family)}-gguf-{LLAMA_CPP_PYTHON}", build) / f"{family}.f32.gguf"
+    return (
+        _cached(f"{_key(family)}-gguf-{LLAMA_CPP_PYTHON}-{GGUF_VERSION}", build) / f"{family}.{outtype}.gguf"
+    )
 
 
 def reading_folder(family: str) -> Path:

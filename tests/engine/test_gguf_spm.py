@@ -11,9 +11,10 @@ import random
 
 import pytest
 import sentencepiece
+import torch
 
 from inference_engine import LLM, SamplingParams
-from inference_engine.model_loader import gguf_file, gguf_loader
+from inference_engine.model_loader import gguf_file, gguf_loader, load_model
 
 from . import families, spm_gguf
 from .conftest import assert_all_blocks_free
@@ -112,5 +113,27 @@ def test_spm_gguf_matches_transformers(family):
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     mismatches, ties = families.compare([o.outputs[0].token_ids for o in outputs], references)
     print(f"{family} SentencePiece GGUF f32: {len(prompts) - len(mismatches) - ties} equal, {ties} ties")
+    assert not mismatches, mismatches
+    assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("family", sorted(spm_gguf.SPACE_PREFIX))
+def test_spm_gguf_q8_0_kept_quantized_matches_dequantized(family):
+    path = str(spm_gguf.gguf_path(family, "q8_0"))
+    dense = LLM(model=path, dtype="float32", quantization="none", seed=0)
+    prompts = [dense.get_tokenizer().encode(text) for text in PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+    references = []
+    for out in dense.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False):
+        top = [sorted((lp.logprob for lp in step.values()), reverse=True) for step in out.outputs[0].logprobs]
+        references.append((out.outputs[0].token_ids, [t[0] - t[1] for t in top]))
+    del dense
+    loaded = load_model(path)
+    assert loaded.quantization == "gguf"
+    assert not isinstance(dict(loaded.weights)["model.layers.0.self_attn.q_proj.weight"], torch.Tensor)
+    llm = LLM(model=path, dtype="float32", seed=0)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    mismatches, ties = families.compare([o.outputs[0].token_ids for o in outputs], references)
+    print(f"{family} SentencePiece GGUF Q8_0: {len(prompts) - len(mismatches) - ties} equal, {ties} ties")
     assert not mismatches, mismatches
     assert_all_blocks_free(llm)
