@@ -38,6 +38,7 @@ SUPPORTED_ARCHITECTURES = {
     "gemma3": "Gemma3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "granite": "GraniteForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 # Architectures whose Q/K rows llama.cpp's converter reorders for its interleaved rotation (its LlamaModel
 # and the classes built on it); the others rotate halves as transformers does and are stored as they are.
@@ -72,6 +73,7 @@ _KNOWN_KEYS = {
     "rope.scaling.factor",
     "rope.scaling.original_context_length",
     "rope.scaling.finetuned",
+    "rope.scaling.attn_factor",
     "attn_logit_softcapping",
     "final_logit_softcapping",
     "embedding_scale",
@@ -103,11 +105,12 @@ _LAYER_NAMES = {
 }
 # Gemma's ffn_norm is the norm before its MLP; its post_attention_norm is the one after attention.
 _ARCH_LAYER_NAMES = {
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
     "gemma2": {"ffn_norm": "pre_feedforward_layernorm"},
     "gemma3": {"ffn_norm": "pre_feedforward_layernorm"},
 }
 # Tensors that are metadata in the Hugging Face form (llama.cpp's Llama 3 rope frequency factors).
-_CONFIG_TENSORS = {"rope_freqs.weight"}
+_CONFIG_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 
 # Pre-tokenizer splits per llama.cpp's `tokenizer.ggml.pre` names (regexes as in the original tokenizers).
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -218,6 +221,27 @@ def _rope_parameters(get, context: int, tensors: dict) -> dict:
         rope.update(rope_type=kind, factor=get("rope.scaling.factor"))
         if kind == "yarn":
             rope["original_max_position_embeddings"] = get("rope.scaling.original_context_length", context)
+    if "rope_factors_long.weight" in tensors:
+        # Phi-3's longrope: short factors up to the original context, long ones past it.
+        if rope["rope_type"] != "default":
+            raise ValueError("GGUF rope_factors_long.weight beside rope.scaling.type is not supported.")
+        factors = {
+            kind: [
+                float(f)
+                for f in np.asarray(_tensor(tensors[f"rope_factors_{kind}.weight"], False)).reshape(-1)
+            ]
+            for kind in ("short", "long")
+        }
+        rope.update(
+            rope_type="longrope",
+            short_factor=factors["short"],
+            long_factor=factors["long"],
+            original_max_position_embeddings=get("rope.scaling.original_context_length", context),
+        )
+        if get("rope.scaling.attn_factor") is not None:
+            rope["attention_factor"] = get("rope.scaling.attn_factor")
+    elif get("rope.scaling.attn_factor") is not None:
+        raise ValueError("GGUF rope.scaling.attn_factor without rope_factors_long.weight is not supported.")
     freqs = tensors.get("rope_freqs.weight")
     if freqs is not None:
         if rope["rope_type"] != "default":
@@ -288,7 +312,29 @@ def _weights(
                 weight = weight[torch.from_numpy(order)]
             else:
                 weight = gguf_quant.permute_rows(weight, order)
-        yield name, weight
+        if ".qkv_proj." in name or ".gate_up_proj." in name:
+            yield from _split_rows(name, weight, config)
+        else:
+            yield name, weight
+
+
+def _split_rows(name: str, weight: Weight, config: ModelConfig) -> Iterator[tuple[str, Weight]]:
+    """Phi-3's fused q/k/v and gate/up tensors as their parts, quantized ones kept quantized."""
+    if ".qkv_proj." in name:
+        q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+        parts = [
+            ("qkv_proj", "q_proj", 0, q),
+            ("qkv_proj", "k_proj", q, kv),
+            ("qkv_proj", "v_proj", q + kv, kv),
+        ]
+    else:
+        half = config.intermediate_size
+        parts = [("gate_up_proj", "gate_proj", 0, half), ("gate_up_proj", "up_proj", half, half)]
+    for fused, part, start, rows in parts:
+        if isinstance(weight, torch.Tensor):
+            yield name.replace(fused, part), weight[start : start + rows]
+        else:
+            yield name.replace(fused, part), gguf_quant.permute_rows(weight, np.arange(start, start + rows))
 
 
 def _tensor(tensor: gguf_file.GGUFTensor, keep_quantized: bool) -> Weight:

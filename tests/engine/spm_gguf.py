@@ -1,14 +1,15 @@
 """Tiny checkpoints with a SentencePiece BPE tokenizer (`tokenizer.model`, trained here on a few hundred
 varied lines), as Llama 2, Mistral v0.1, Gemma and Phi-3 ship theirs, and their GGUF form written by
-llama.cpp's converter (`family_gguf.converter`), cached once per machine.
+llama.cpp's converter (`family_gguf.converter`), f32 and Q8_0, cached once per machine.
 
-- `llama-linear` with a Llama 2 style model (a space before the text, `add_dummy_prefix`): the converter
-  reads the file's `llama` architecture, which the engine loads, with the SentencePiece vocabulary.
-- `gemma2` with a Gemma style model (no space before the text; the converter writes `add_space_prefix`
-  false for Gemma): a second vocabulary for the tokenizer alone.
+- `llama-linear` with a Llama 2 style model (a space before the text, `add_dummy_prefix`), converted to the
+  `llama` architecture;
+- `gemma2` with a Gemma style model (no space before the text: the converter writes `add_space_prefix`
+  false for Gemma);
+- `phi3` with a Llama 2 style model (its converter wants `tokenizer_class` in tokenizer_config.json).
 
-Both models keep text as it is (identity normalization, spaces kept), as those checkpoints' models do and
-as llama.cpp tokenizes: what the GGUF file stores must encode to the model's own ids.
+The models keep text as it is (identity normalization, spaces kept), as those checkpoints' models do and as
+llama.cpp tokenizes: what the GGUF file stores must encode to the model's own ids.
 """
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ from . import families
 from .family_gguf import LLAMA_CPP_PYTHON, OUTTYPES, converter
 from .quant_checkpoints import _cached, _version
 
-SPM_VERSION = 2
+SPM_VERSION = 3
 GGUF_VERSION = 2
 VOCAB_SIZE = 800
 # family -> whether its model puts a space before the text (SentencePiece's add_dummy_prefix).
-SPACE_PREFIX = {"llama-linear": True, "gemma2": False}
+SPACE_PREFIX = {"llama-linear": True, "gemma2": False, "phi3": True}
 USER_DEFINED = ["<start_of_turn>", "<end_of_turn>"]
 # The config fields a converted file reads back otherwise than its checkpoint declares: llama.cpp scales
 # Gemma 2's attention by 1/sqrt(head_dim) whatever query_pre_attn_scalar says (as `family_gguf.READING`).
@@ -115,7 +116,9 @@ def folder(family: str) -> Path:
         # As the chat checkpoints declare their turn markers: special added tokens (the converter reads only
         # this to type them; SentencePiece's own user-defined pieces would be written as normal pieces).
         added = {str(3 + i): {"content": t, "special": True} for i, t in enumerate(USER_DEFINED)}
-        (target / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": added}))
+        (target / "tokenizer_config.json").write_text(
+            json.dumps({"tokenizer_class": "LlamaTokenizer", "added_tokens_decoder": added})
+        )
 
     return _cached(
         f"spm-{family}-{_version('transformers')}-{_version('sentencepiece')}-{SPM_VERSION}", build

@@ -5,8 +5,10 @@ converted checkpoint gives transformers' fp32 greedy tokens on the original (`sp
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import math
 import random
 
 import pytest
@@ -15,6 +17,7 @@ import torch
 
 from inference_engine import LLM, SamplingParams
 from inference_engine.model_loader import gguf_file, gguf_loader, load_model
+from inference_engine.model_loader.hf_config import model_config
 
 from . import families, spm_gguf
 from .conftest import assert_all_blocks_free
@@ -95,6 +98,30 @@ def test_spm_gguf_turn_markers_are_special_tokens(family):
         assert ids == original.encode(MARKED)
         assert ours.decode(ids, skip_special_tokens=False) == original.decode(ids) == MARKED
     assert ours.decode(ids) == original.decode([i for i in ids if i not in (start, end)])
+
+
+@pytest.mark.parametrize("family", sorted(spm_gguf.SPACE_PREFIX))
+def test_spm_gguf_config_is_the_checkpoints(family):
+    """The file's metadata gives the checkpoint's ModelConfig (as the file reads back: `spm_gguf.READING`),
+    Phi-3's longrope factors from their tensors included."""
+    reader = gguf_file.read(spm_gguf.gguf_path(family))
+    meta = {name: value for name, value in reader.fields.items() if not name.startswith("tokenizer.ggml.")}
+    ours = model_config(gguf_loader.hf_config_dict(reader, meta), [2])
+    theirs = model_config(json.loads((spm_gguf.reading_folder(family) / "config.json").read_text()), [2])
+    for field in dataclasses.fields(ours):
+        a, b = getattr(ours, field.name), getattr(theirs, field.name)
+        if field.name == "rms_norm_eps":  # stored as float32
+            assert a == pytest.approx(b, rel=1e-6)
+        elif field.name == "rope_scaling" and family == "phi3":
+            # The file states the attention factor transformers derives from the two context lengths.
+            assert a.pop("attention_factor") == pytest.approx(
+                math.sqrt(1 + math.log(256 / 64) / math.log(64))
+            )
+            assert a == {k: v for k, v in b.items() if k != "partial_rotary_factor"}
+        elif field.name == "layer_types" and a is not None and b is None:  # every layer slides
+            assert a == ["sliding_attention"] * ours.num_hidden_layers and ours.sliding_window
+        else:
+            assert a == b, field.name
 
 
 @pytest.mark.parametrize("family", sorted(spm_gguf.SPACE_PREFIX))
