@@ -1,8 +1,9 @@
 """GGUF files as llama.cpp's converter writes them: the metadata read into the Hugging Face config of the
 same model (`hf_config_dict`, with llama.cpp's defaults where the file is silent), weights kept in their
 quantized blocks (`gguf_quant`) or dequantized by the `gguf` package and given back in the checkpoint's
-layout (Q/K rows unpermuted, Gemma's norms less the 1 the converter added), and a byte-level BPE tokenizer
-rebuilt from the vocabulary and merges stored in the file."""
+layout (Q/K rows unpermuted, Gemma's norms less the 1 the converter added, Phi-3's fused projections split),
+and the tokenizer rebuilt from the vocabulary stored in the file: byte-level BPE from its merges, or
+SentencePiece BPE from its pieces' scores."""
 
 from __future__ import annotations
 
