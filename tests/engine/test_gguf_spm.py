@@ -124,24 +124,45 @@ def test_spm_gguf_config_is_the_checkpoints(family):
             assert a == b, field.name
 
 
-@pytest.mark.parametrize("family", sorted(spm_gguf.SPACE_PREFIX))
-def test_spm_gguf_matches_transformers(family):
-    """The Llama 2 style file (the `llama` architecture with linear rope scaling) and the Gemma 2 one (a
-    window shorter than prompt + output, both soft-caps) on our engine give transformers' fp32 greedy tokens
-    on the checkpoint each was converted from (as the file reads it back: `spm_gguf.READING`)."""
+def _matches_transformers(family: str, backend: str, texts: list[str]) -> None:
     path = spm_gguf.gguf_path(family)
-    llm = LLM(model=str(path), dtype="float32", quantization="none", seed=0)
+    llm = LLM(model=str(path), dtype="float32", quantization="none", attention_backend=backend, seed=0)
     tokenizer = llm.get_tokenizer()
-    prompts = [tokenizer.encode(text) for text in PROMPTS]
+    prompts = [tokenizer.encode(text) for text in texts]
     digest = hashlib.sha256(json.dumps([prompts, MAX_TOKENS]).encode()).hexdigest()[:16]
     compute = lambda: families._hf_greedy(spm_gguf.reading_folder(family), prompts, MAX_TOKENS)  # noqa: E731
     references = [tuple(r) for r in cached_json(CACHE / f"{path.parent.name}-greedy-{digest}.json", compute)]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     mismatches, ties = families.compare([o.outputs[0].token_ids for o in outputs], references)
-    print(f"{family} SentencePiece GGUF f32: {len(prompts) - len(mismatches) - ties} equal, {ties} ties")
+    print(
+        f"{family} SentencePiece GGUF f32 ({backend}): "
+        f"{len(prompts) - len(mismatches) - ties} equal, {ties} ties"
+    )
     assert not mismatches, mismatches
     assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("family", sorted(spm_gguf.SPACE_PREFIX))
+def test_spm_gguf_matches_transformers(family):
+    """The Llama 2 style file (the `llama` architecture with linear rope scaling), the Gemma 2 one (a window
+    shorter than prompt + output, both soft-caps) and the Phi-3 one (fused projections, partial rotation,
+    longrope, a window) on our engine give transformers' fp32 greedy tokens on the checkpoint each was
+    converted from (as the file reads it back: `spm_gguf.READING`)."""
+    _matches_transformers(family, "auto", PROMPTS)
+
+
+# The Triton interpreter runs each kernel launch in Python: Gemma 2 (a window, both soft-caps) in the
+# suite, the others with `-m slow`.
+@pytest.mark.parametrize(
+    "family",
+    [
+        pytest.param(f, marks=[] if f == "gemma2" else [pytest.mark.slow])
+        for f in sorted(spm_gguf.SPACE_PREFIX)
+    ],
+)
+def test_spm_gguf_matches_transformers_on_triton(family):
+    _matches_transformers(family, "triton", PROMPTS[:2])
 
 
 @pytest.mark.parametrize("family", sorted(spm_gguf.SPACE_PREFIX))
