@@ -49,8 +49,9 @@ OUTTYPES = ("f32", "q8_0")
 CONVERTED = ("llama3", "llama-linear", "llama-yarn", "mistral", "qwen3", "gemma3", "olmo2", "granite")
 NOT_CONVERTED = {
     "qwen2": "transformers 5 gives the qwen2 model type Qwen2's pre-tokenizer, unknown to the converter",
-    "gemma2": "the converter needs a SentencePiece tokenizer.model",
-    "phi3": "the converter needs a SentencePiece tokenizer.model or a GPT2Tokenizer (transformers rebuilds)",
+    # With a SentencePiece tokenizer.model they convert: spm_gguf, test_gguf_spm.
+    "gemma2": "with this byte-level tokenizer: the converter needs a SentencePiece tokenizer.model",
+    "phi3": "with this byte-level tokenizer: the converter needs a SentencePiece tokenizer.model",
 }
 # Families whose converted file transformers' own GGUF loader reads as llama.cpp does: it drops the rope
 # scaling a file stores (linear, yarn, Llama 3's factors), gives Gemma 3 query_pre_attn_scalar 256, fails on
