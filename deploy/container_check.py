@@ -126,8 +126,12 @@ def build_image() -> None:
     with timed("base images (debootstrap, stand-ins)") as detail:
         made = run(str(ROOT / "deploy" / "local-images" / "build")).split()
         detail.append(", ".join(made))
-    with timed("image build, cold (--no-cache)"):
-        podman("build", "--no-cache", *build_args(), "-t", IMAGE, str(ROOT))
+    # Cold: without the image and the build's cached layers (a --no-cache build's layers would not serve as
+    # the next build's cache).
+    podman("rmi", "-f", IMAGE, check=False)
+    podman("image", "prune", "-f")
+    with timed("image build, cold"):
+        podman("build", *build_args(), "-t", IMAGE, str(ROOT))
     change = ROOT / "container-check-change.txt"  # a new file in the build context, as a code change is
     try:
         change.write_text(f"{time.time()}\n")
