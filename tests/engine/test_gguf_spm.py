@@ -152,15 +152,10 @@ def test_spm_gguf_matches_transformers(family):
     _matches_transformers(family, "auto", PROMPTS)
 
 
-# The Triton interpreter runs each kernel launch in Python: Gemma 2 (a window, both soft-caps) in the
-# suite, the others with `-m slow`.
-@pytest.mark.parametrize(
-    "family",
-    [
-        pytest.param(f, marks=[] if f == "gemma2" else [pytest.mark.slow])
-        for f in sorted(spm_gguf.SPACE_PREFIX)
-    ],
-)
+# The Triton interpreter runs each kernel launch in Python: these run with `-m slow` (the suite runs Gemma 2
+# on Triton from its checkpoint in test_families, and Gemma 3's GGUF file in test_families_gguf).
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(spm_gguf.SPACE_PREFIX))
 def test_spm_gguf_matches_transformers_on_triton(family):
     _matches_transformers(family, "triton", PROMPTS[:2])
 
