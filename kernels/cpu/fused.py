@@ -82,20 +82,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """silu(gate) * up of bf16 rows [..., 2 * width] (gate first), rounded as F.silu(gate).mul_(up) (within
     a bf16 ulp: its own exp), or None where it can't run."""
-    fn = function("silu_mul_bf16", None, ptr, ptr, i32, i32, i32)
-    if fn is None or not _bf16_rows(gate_up) or gate_up.shape[-1] % 2:
-        return None
-    width = gate_up.shape[-1] // 2
-    out = gate_up.new_empty(*gate_up.shape[:-1], width)
-    fn(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * width), width, torch.get_num_threads())
-    return out
+    return _gated("silu_mul_bf16", gate_up)
 
 
 def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """gelu_tanh(gate) * up of bf16 rows [..., 2 * width] (gate first, Gemma's MLP), rounded as
     F.gelu(gate, approximate="tanh").mul_(up) rounds, or None where it can't run. Within a bf16 ulp of the
     exact GELU: where PyTorch's 1 + tanh cancels (gate below about -3) it keeps more digits than PyTorch."""
-    fn = function("gelu_tanh_mul_bf16", None, ptr, ptr, i32, i32, i32)
+    return _gated("gelu_tanh_mul_bf16", gate_up)
+
+
+def _gated(kernel: str, gate_up: torch.Tensor) -> torch.Tensor | None:
+    """act(gate) * up through the native kernel `kernel`, which both gated activations share the shape of."""
+    fn = function(kernel, None, ptr, ptr, i32, i32, i32)
     if fn is None or not _bf16_rows(gate_up) or gate_up.shape[-1] % 2:
         return None
     width = gate_up.shape[-1] // 2
