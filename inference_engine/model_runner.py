@@ -11,6 +11,7 @@ import ctypes
 import logging
 import sys
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,9 +28,11 @@ from inference_engine.sampler import top_logprobs
 from inference_engine.scheduler import SchedulerOutput
 from inference_engine.sequence import Sequence
 from inference_engine.step_inputs import PreparedStep, StepInputs
-from inference_engine.tp_workers import TPWorkers
 from llmserve_kernels.cpu import linear as cpu_linear
 from llmserve_kernels.cpu.huge_pages import zeros_on_huge_pages
+
+if TYPE_CHECKING:  # tp_workers imports this module to run a rank's steps
+    from inference_engine.tp_workers import TPWorkers
 
 logger = logging.getLogger(__name__)
 
