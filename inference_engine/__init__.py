@@ -7,7 +7,14 @@ and the bus client from this package without pulling torch in.
 from importlib import import_module
 
 from inference_engine.config import EngineConfig
-from inference_engine.outputs import CompletionOutput, Logprob, RequestOutput
+from inference_engine.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    RequestOutput,
+)
+from inference_engine.pooling import PoolerConfig, PoolingParams
 from inference_engine.sampling_params import SamplingParams
 
 __all__ = [
@@ -15,9 +22,13 @@ __all__ = [
     "AsyncLLM",
     "AsyncLLMEngine",
     "CompletionOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
     "EngineConfig",
     "LLMEngine",
     "Logprob",
+    "PoolerConfig",
+    "PoolingParams",
     "RequestOutput",
     "SamplingParams",
 ]

@@ -51,6 +51,9 @@ ENGINE_FLAGS: list[tuple[str, type]] = [
     ("--num-scheduler-steps", int),
     ("--tool-call-parser", str),
     ("--reasoning-parser", str),
+    ("--runner", str),  # "generate" | "pooling" (embeddings)
+    ("--task", str),  # vLLM's older form: "embed" = --runner pooling
+    ("--pooler-config", json.loads),  # JSON, as vLLM's flag
 ]
 
 

@@ -7,9 +7,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from inference_engine.errors import InvalidRequestError
+from inference_engine.pooling import PoolerConfig
 from inference_engine.reasoning_parsers import PARSERS as REASONING_PARSERS
 from inference_engine.tool_parsers import PARSERS
 
+RUNNERS = ("generate", "pooling")
+TASKS = {"generate": "generate", "embed": "pooling"}  # vLLM's older `task`, as the runner it selects
 QUANTIZATION_METHODS = ("awq", "gptq", "gguf", "int8", "none")
 CHECKPOINT_METHODS = ("awq", "gptq", "gguf")  # what a checkpoint itself can declare
 
@@ -53,12 +56,26 @@ class EngineConfig:
     log_stats_interval: float = 10.0  # seconds between stats log lines; 0 disables
     tool_call_parser: str = "hermes"  # the model's tool-call format (vLLM's --tool-call-parser)
     reasoning_parser: str | None = None  # the model's reasoning block (vLLM's --reasoning-parser); None: none
+    # "generate" samples tokens; "pooling" serves embeddings (`LLM.embed`, /v1/embeddings) and nothing else.
+    runner: str = "generate"
+    task: str | None = None  # vLLM's older name for the runner: "embed" = runner "pooling"
+    # vLLM's --pooler-config: {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize", "dimensions"} (a dict
+    # or a PoolerConfig); what it leaves out comes from the checkpoint (see `pooling`).
+    pooler_config: dict | None = None
 
     @property
     def distributed_init_method(self) -> str:
         return f"tcp://{self.master_addr}:{self.master_port}"
 
     def __post_init__(self) -> None:
+        if self.task is not None:
+            if self.task not in TASKS:
+                raise InvalidRequestError(f"unknown task {self.task!r} (known: {', '.join(TASKS)}).")
+            self.runner, self.task = TASKS[self.task], None
+        if self.runner not in RUNNERS:
+            raise InvalidRequestError(f"unknown runner {self.runner!r} (choose from {', '.join(RUNNERS)}).")
+        if self.pooler_config is not None:
+            self.pooler_config = PoolerConfig.of(self.pooler_config).to_dict()
         if self.block_size not in (8, 16, 32):
             raise InvalidRequestError(f"block_size must be 8, 16 or 32, got {self.block_size}.")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
