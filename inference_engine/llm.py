@@ -11,7 +11,8 @@ from tqdm.auto import tqdm
 from inference_engine.config import EngineConfig
 from inference_engine.engine_loop import EngineLoop, Request
 from inference_engine.llm_engine import LLMEngine
-from inference_engine.outputs import RequestOutput
+from inference_engine.outputs import EmbeddingRequestOutput, RequestOutput
+from inference_engine.pooling import PoolingParams
 from inference_engine.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict
@@ -19,6 +20,7 @@ PromptType = str | list[int] | dict
 
 class LLM:
     """Generation in-process. `model`: a GGUF file, a Hugging Face folder or hub id; None = the default.
+    With `runner="pooling"` (or vLLM's older `task="embed"`) it serves embeddings (`embed`) instead.
 
     Safe to call from any number of threads at once: concurrent `generate` / `chat` calls join one
     continuous batch (the engine loop), and each call returns only its own outputs.
@@ -52,10 +54,7 @@ class LLM:
         A prompt is a string, a list of token ids, or {"prompt": ...} / {"prompt_token_ids": [...]}.
         `use_tqdm` may also be a callable that makes the progress bar, as in vLLM.
         """
-        if isinstance(prompts, str | dict) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
+        prompts = _prompt_list(prompts)
         params = sampling_params or SamplingParams()
         params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params_list) != len(prompts):
@@ -79,7 +78,21 @@ class LLM:
         prompts = [tokenizer.apply_chat_template(c, add_generation_prompt) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(self, requests: list[Request], use_tqdm: bool | Callable[..., tqdm]) -> list[RequestOutput]:
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool | Callable[..., tqdm] = True,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (in input order), each in `outputs.embedding`; prompts as `generate`
+        takes them. Needs an engine built with runner="pooling"."""
+        prompts = _prompt_list(prompts)
+        params = pooling_params or PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens)
+        requests = [Request(str(next(self._ids)), prompt_of(prompt), params) for prompt in prompts]
+        return self._run(requests, use_tqdm)
+
+    def _run(self, requests: list[Request], use_tqdm: bool | Callable[..., tqdm]) -> list:
         """Hands the requests to the engine loop and waits for their final outputs. However the wait ends
         early (KeyboardInterrupt, an exception from the progress bar), the requests are aborted first."""
         finished_outputs: queue.SimpleQueue[RequestOutput | BaseException] = queue.SimpleQueue()
@@ -104,6 +117,15 @@ class LLM:
             self.engine_loop.abort(ids, sink).result()
             raise
         return [finished[rid] for rid in ids]
+
+
+def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> Sequence[PromptType]:
+    """One prompt as a list of one; a list of prompts as it is."""
+    if isinstance(prompts, str | dict) or (
+        isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+    ):
+        return [prompts]
+    return prompts
 
 
 def prompt_of(prompt: PromptType) -> str | list[int]:

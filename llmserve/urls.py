@@ -3,13 +3,25 @@
 from django.urls import include, path, re_path
 
 from llmserve import views
-from llmserve.api import completions, docs, files, health, metrics, models, responses_api, tokenize, version
+from llmserve.api import (
+    completions,
+    docs,
+    embeddings,
+    files,
+    health,
+    metrics,
+    models,
+    responses_api,
+    tokenize,
+    version,
+)
 
 app_name = "llmserve"
 
 urlpatterns = [
     path("v1/completions", completions.completions, name="completions"),
     path("v1/chat/completions", completions.chat_completions, name="chat-completions"),
+    path("v1/embeddings", embeddings.embeddings, name="embeddings"),
     path("v1/responses", responses_api.create, name="responses"),
     path("v1/responses/<str:response_id>", responses_api.detail, name="response-detail"),
     path(

@@ -60,6 +60,9 @@ Request (client -> ``req`` stream, or ``reqlow`` for ``generate`` with ``priorit
   "owner"?: str}``
   (``tools``: OpenAI's function tools, rendered into the chat template with ``messages``; ``chat_options``?:
   how the template renders them, `Tokenizer.apply_chat_template`'s keyword arguments)
+  ``{"type": "embed", "id", "prompt" | "prompt_token_ids", "params": PoolingParams.to_dict(), "priority",
+  "arrival_time", "owner"?}`` -- on the same streams as ``generate``; answered by one ``result``
+  ``{"embedding": base64 float32, "count"}`` or an ``error``
   ``{"type": "tokenize", "id", "prompt" | "messages", "add_special_tokens"?, "return_token_strs"?}`` /
   ``{"type": "detokenize", "id", "token_ids"}`` / ``{"type": "tokenizer_info", "id"}``
 
@@ -312,6 +315,16 @@ class Result(Message):
     token_strs: list[str | None] | None = None
     text: str | None = None
     info: dict[str, Any] | None = None
+    embedding: str | None = None  # an embed request's vector: base64 of its little-endian float32 values
+
+
+@dataclass
+class Embed(Generate):
+    """An embedding of one prompt (`params`: `PoolingParams.to_dict()`). Queued, prioritised and aborted as a
+    generation is (it is a prompt prefilled in the same batch); answered with one `Result` carrying
+    `embedding` and `count` (the prompt's tokens), or an `error`; no ack."""
+
+    type: ClassVar[str] = "embed"
 
 
 @dataclass
@@ -332,6 +345,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
     kind.type: kind
     for kind in (
         Generate,
+        Embed,
         Tokenize,
         Detokenize,
         TokenizerInfo,

@@ -23,10 +23,12 @@ a web worker killed mid-stream leaves nobody to send the abort.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import logging
 import os
 import socket
+import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -43,6 +45,8 @@ from inference_engine.errors import (
     InvalidRequestError,
     RequestAbortedError,
 )
+from inference_engine.outputs import EmbeddingRequestOutput
+from inference_engine.pooling import PoolingParams
 from inference_engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -80,6 +84,7 @@ class _Live:
     tracker: DeltaTracker
     n: int
     owner: str | None = None  # the client whose liveness keeps this request running
+    embed: bool = False  # an embedding: answered by one Result, no ack or deltas
 
 
 class EngineServer:
@@ -365,8 +370,9 @@ class EngineServer:
 
     def _start(self, stream: str, entry_id: str, message: P.Generate) -> None:
         rid = message.id
+        embed = isinstance(message, P.Embed)
         try:
-            params = SamplingParams.from_dict(message.params)
+            params = (PoolingParams if embed else SamplingParams).from_dict(message.params)
             prompt_ids = self.engine.add_request(
                 rid,
                 self._prompt(message),
@@ -380,7 +386,10 @@ class EngineServer:
             self._writes.append((rid, P.Error.of(exc)))
             self._done.append((stream, entry_id))
             return
-        self._live[rid] = _Live(stream, entry_id, DeltaTracker(len(prompt_ids)), params.n, message.owner)
+        n = 1 if embed else params.n
+        self._live[rid] = _Live(stream, entry_id, DeltaTracker(len(prompt_ids)), n, message.owner, embed)
+        if embed:
+            return
         ack = P.Ack(len(prompt_ids), self.replica_id)
         if message.tools:
             ack.tool_parser = self.engine.config.tool_call_parser
@@ -460,6 +469,12 @@ class EngineServer:
             live = self._live.get(output.request_id)
             if live is None:  # aborted this iteration
                 continue
+            if isinstance(output, EmbeddingRequestOutput):
+                if output.finished:
+                    self._writes.append((output.request_id, _embedding_result(output)))
+                    self._done.append((live.stream, live.entry_id))
+                    del self._live[output.request_id]
+                continue
             firsts += not live.tracker.started
             for message in live.tracker.messages(output, self.replica_id):
                 self._writes.append((output.request_id, message))
@@ -474,8 +489,11 @@ class EngineServer:
             return
         self._unacked.pop(rid, None)
         self.engine.abort_request(rid)
-        reasons = [(i, "abort", None) for i in range(live.n)]
-        self._writes.append((rid, live.tracker.final(reasons, self.replica_id)))
+        if live.embed:
+            self._writes.append((rid, P.Error.of(RequestAbortedError("the request was aborted."))))
+        else:
+            reasons = [(i, "abort", None) for i in range(live.n)]
+            self._writes.append((rid, live.tracker.final(reasons, self.replica_id)))
         self._done.append((live.stream, live.entry_id))
 
     def _fail(self, rid: str, exc: BaseException) -> None:
@@ -621,6 +639,13 @@ class EngineServer:
             self._done.append((stream, entry_id))
         else:
             self._start(stream, entry_id, message)
+
+
+def _embedding_result(output: EmbeddingRequestOutput) -> P.Result:
+    """An embedding on the bus: its float32 values, base64 (exact, and a third of their JSON length)."""
+    vector = output.outputs.embedding
+    packed = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+    return P.Result(embedding=packed, count=len(output.prompt_token_ids))
 
 
 def _data_lost(exc: redis.ResponseError) -> bool:
