@@ -139,3 +139,24 @@ def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     """Reference for :func:`llmserve_kernels.triton.fused.silu_and_mul`: ``silu(gate) * up`` in fp32."""
     gate, up = gate_up.float().chunk(2, dim=-1)
     return (torch.nn.functional.silu(gate) * up).to(gate_up.dtype)
+
+
+def fused_moe_ref(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Reference for the fused mixture-of-experts kernels (``cpu.moe.fused_moe``, ``triton.fused_moe``):
+    token t's output is ``sum_j topk_weights[t, j] * expert_e(x[t])`` over its chosen experts
+    ``e = topk_ids[t, j]``, where ``expert_e(x) = w2[e] @ (silu(w13[e, :I] @ x) * (w13[e, I:] @ x))``
+    (x [T, H], w13 [E, 2I, H] gate rows then up rows, w2 [E, H, I]). All in fp32, rounded once at the end."""
+    xf, out = x.float(), torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    inter = w13.shape[1] // 2
+    for e in topk_ids.unique().tolist():
+        tokens, slot = torch.nonzero(topk_ids == e, as_tuple=True)
+        gate_up = xf[tokens] @ w13[e].float().T
+        act = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        out.index_add_(0, tokens, (act @ w2[e].float().T) * topk_weights[tokens, slot, None].float())
+    return out.to(x.dtype)

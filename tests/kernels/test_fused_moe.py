@@ -1,0 +1,85 @@
+"""The fused mixture-of-experts kernels (native CPU, Triton) against `fused_moe_ref`, on fresh random inputs:
+token counts 1 to 300, 8 and 64 experts, top-1/2/8. Experts that no token chose hold NaN weights, so a kernel
+that reads them (or lets them into a sum) fails; with 64 experts and few tokens most experts are such."""
+
+import pytest
+import torch
+
+from llmserve_kernels.cpu import available
+from llmserve_kernels.cpu.moe import fused_moe as cpu_fused_moe
+from llmserve_kernels.reference import fused_moe_ref
+
+F32, BF16 = torch.float32, torch.bfloat16
+HIDDEN, INTER = 64, 48  # not multiples of the Triton tiles: their masks are exercised
+TOLERANCE = {F32: {"atol": 1e-4, "rtol": 1e-4}, BF16: {"atol": 2e-2, "rtol": 2e-2}}
+
+
+def _problem(gen, tokens, experts, top_k, dtype, device="cpu", hidden=HIDDEN, inter=INTER):
+    x = torch.randn(tokens, hidden, generator=gen)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden**-0.5
+    w2 = torch.randn(experts, hidden, inter, generator=gen) * inter**-0.5
+    topk_weights, topk_ids = torch.rand(tokens, experts, generator=gen).softmax(-1).topk(top_k, dim=-1)
+    unused = torch.ones(experts, dtype=torch.bool)
+    unused[topk_ids.flatten()] = False
+    w13[unused], w2[unused] = float("nan"), float("nan")
+    tensors = (x.to(dtype), w13.to(dtype), w2.to(dtype), topk_weights, topk_ids)
+    return [t.to(device) for t in tensors]
+
+
+def _check(out, ref):
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float().cpu(), ref.float().cpu(), **TOLERANCE[ref.dtype])
+
+
+@pytest.mark.skipif(not available(), reason="no C compiler for the CPU kernels")
+@pytest.mark.parametrize("dtype", [BF16, F32])
+@pytest.mark.parametrize("top_k", [1, 2, 8])
+@pytest.mark.parametrize("experts", [8, 64])
+@pytest.mark.parametrize("tokens", [1, 3, 17, 64, 300])
+def test_cpu_fused_moe_matches_reference(gen, tokens, experts, top_k, dtype):
+    problem = _problem(gen, tokens, experts, top_k, dtype)
+    ref = fused_moe_ref(*problem)
+    assert not ref.isnan().any()
+    _check(cpu_fused_moe(*problem), ref)
+
+
+@pytest.mark.skipif(not available(), reason="no C compiler for the CPU kernels")
+def test_cpu_fused_moe_one_expert_takes_every_token(gen):
+    """Every token routed to the same two experts: the other six own no pair and hold NaN."""
+    x, w13, w2, weights, _ = _problem(gen, 40, 8, 2, BF16)
+    ids = torch.tensor([[5, 2]] * 40)
+    w13[[0, 1, 3, 4, 6, 7]] = float("nan")
+    _check(cpu_fused_moe(x, w13, w2, weights, ids), fused_moe_ref(x, w13, w2, weights, ids))
+
+
+def _fast_on_interpreter(tokens: int, experts: int, top_k: int) -> bool:
+    """The interpreter runs each program in Python: the shapes under half a second run in the suite (300
+    tokens among them), the rest with `-m slow`."""
+    return tokens * top_k * (experts // 8) <= 64 or (tokens, experts, top_k) == (300, 8, 2)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "experts", "top_k"),
+    [
+        pytest.param(t, e, k, marks=[] if _fast_on_interpreter(t, e, k) else [pytest.mark.slow])
+        for t in (1, 3, 17, 64, 300)
+        for e in (8, 64)
+        for k in (1, 2, 8)
+    ],
+)
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_triton_fused_moe_matches_reference(gen, device, tokens, experts, top_k, dtype):
+    from llmserve_kernels.triton.fused_moe import fused_moe
+
+    problem = _problem(gen, tokens, experts, top_k, dtype, device)
+    _check(fused_moe(*problem), fused_moe_ref(*problem))
+
+
+def test_triton_pairs_are_sorted_and_block_aligned(device):
+    from llmserve_kernels.triton.fused_moe import align_pairs
+
+    ids = torch.tensor([[3, 0], [3, 1], [0, 3]], device=device)
+    sorted_pairs, block_expert = align_pairs(ids, num_experts=4, block_m=2)
+    pad = 6
+    assert sorted_pairs.tolist() == [1, 4, 3, pad, 0, 2, 5, pad]  # experts 0, 1, 3; expert 2 owns no block
+    assert block_expert.tolist() == [0, 1, 3, 3]
