@@ -1,8 +1,9 @@
 """The engine: requests in, one scheduler iteration per `step()`, outputs out.
 
-`LLMEngine` ties the tokenizer, scheduler, block manager, model runner, sampler and detokenizer
-together. It is synchronous and single-threaded on purpose: the offline `LLM` calls `step()` in a
-loop, and the engine process interleaves it with reading the request bus.
+`LLMEngine` ties the tokenizer, scheduler, model runner, sampler and detokenizer together. A step reads as
+nano-vllm's: the scheduler picks a batch, the runner and the sampler give its tokens, the scheduler's
+post-processing appends them under the stop rules. It is synchronous and single-threaded on purpose: the
+offline `LLM` calls `step()` in a loop, and the engine process interleaves it with reading the request bus.
 
 Structured-output requests are the exception that proves it: their grammar compiles on a thread of its own
 (`structured_outputs.engine`) while the request waits outside the scheduler (`preparing`), and a grammar
@@ -29,7 +30,7 @@ from inference_engine.model_runner import ModelRunner, StepOutput
 from inference_engine.outputs import CompletionOutput, Logprob, RequestOutput
 from inference_engine.sampler import Sampler, SampleResult, TokenBitmask
 from inference_engine.sampling_params import SamplingParams
-from inference_engine.scheduler import Scheduler
+from inference_engine.scheduler import Scheduler, SchedulerOutput
 from inference_engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from inference_engine.speculative import NgramConfig, NgramProposer
 from inference_engine.structured_outputs.engine import StructuredOutputs
@@ -53,13 +54,14 @@ class LLMEngine:
         except BaseException:
             self.shutdown()
             raise
-        self.block_manager = BlockManager(
+        self.scheduler = Scheduler(
+            config,
             self.runner.num_blocks,
-            config.block_size,
-            config.enable_prefix_caching,
             self.runner.num_cpu_blocks,
+            self.max_model_len,
+            self.tokenizer.eos_token_ids,
+            self.runner.burst_rows,
         )
-        self.scheduler = Scheduler(config, self.block_manager)
         self.proposer: NgramProposer | None = None
         if config.speculative_config:
             quantized = loaded.quantization != "none"
@@ -74,8 +76,6 @@ class LLMEngine:
         self._preparing: dict[str, tuple[SequenceGroup, Future]] = {}  # waiting for their grammar
         self._refused: dict[str, EngineError] = {}  # dropped because their grammar failed to compile
         self._next_seq_id = 0
-        self.prompt_tokens_total = 0
-        self.generation_tokens_total = 0
         self._last_log = time.monotonic()
         self._logged_tokens = 0
         self._logged_drafts = (0, 0, 0)  # the proposer's totals() at the last log
@@ -89,6 +89,19 @@ class LLMEngine:
             config.block_size,
             self.runner.num_blocks * self.runner.kv_bytes_per_block / 2**20,
         )
+
+    @property
+    def block_manager(self) -> BlockManager:
+        """The scheduler's KV blocks, to read (every edit goes through the scheduler)."""
+        return self.scheduler.block_manager
+
+    @property
+    def prompt_tokens_total(self) -> int:
+        return self.scheduler.num_prompt_tokens
+
+    @property
+    def generation_tokens_total(self) -> int:
+        return self.scheduler.num_generated_tokens
 
     def shutdown(self) -> None:
         """Stops the other tensor-parallel ranks, if any (they also die with this process)."""
@@ -250,25 +263,42 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         """Drops the prefix cache; False (and nothing dropped) while requests hold KV blocks."""
-        return self.block_manager.reset_prefix_cache()
+        return self.scheduler.reset_prefix_cache()
 
     # --- the loop ---------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One iteration: schedule a batch, run it, post-process its tokens; the outputs of the requests
+        that got tokens."""
         self._admit_prepared()
+        sched = self._schedule()
+        if sched.is_empty:
+            return []
+        samples = self._execute(sched)
+        for seq in self.scheduler.postprocess(sched, samples):
+            self.runner.release(seq)
+        return self._outputs(samples)
+
+    def _schedule(self) -> SchedulerOutput:
+        """The next batch, the proposer's draft tokens (speculative decoding) in it. With nothing to run but
+        grammars to wait for, waits for one briefly rather than spin."""
         if self.proposer is not None:
             self.proposer.propose(self.scheduler.running)
-        burst = self._plan_burst()
-        sched = self.scheduler.schedule()
-        if sched.is_empty:
-            if self._preparing:  # only grammars to wait for: wait for one, briefly, rather than spin
-                wait([future for _, future in self._preparing.values()], 0.05, FIRST_COMPLETED)
-            return []
-        now = time.time()
-        for seq in sched.seqs:
-            if seq.group.metrics.first_scheduled_time is None:
-                seq.group.metrics.first_scheduled_time = now
-                self.prompt_tokens_total += len(seq.group.prompt_token_ids)
+        sched = self.scheduler.schedule(burst=not self._preparing)
+        if sched.is_empty and self._preparing:
+            wait([future for _, future in self._preparing.values()], 0.05, FIRST_COMPLETED)
+        return sched
+
+    def _execute(self, sched: SchedulerOutput) -> list[tuple[Sequence, list[SampleResult]]]:
+        """Runs the batch and samples: each sampled sequence's new tokens (a burst's, its accepted draft
+        tokens and one, or one), the samples a prompt of n > 1 forks into among them."""
+        if sched.num_steps > 1:
+            sampling = self.sampler.burst_parameters(sched.seqs, sched.num_steps, self.vocab_size)
+            tokens = self.runner.execute_burst(sched, sampling)
+            return [
+                (seq, [SampleResult(t, 0.0, None) for t in row])
+                for seq, row in zip(sched.seqs, tokens, strict=True)
+            ]
         # The constrained sequences this step samples: their masks are filled while the model runs.
         constrained = [
             seq
@@ -276,92 +306,13 @@ class LLMEngine:
             if seq.grammar is not None and seq.num_computed_tokens + n >= len(seq)
         ]
         masks = self.structured.fill_masks([seq.grammar for seq in constrained]) if constrained else None
-        if burst:
-            sampling = self.sampler.burst_parameters(sched.seqs, min(sched.num_new_tokens), self.vocab_size)
-            tokens = self.runner.execute_burst(sched, sampling)
-            samples = [
-                (seq, [SampleResult(t, 0.0, None) for t in row])
-                for seq, row in zip(sched.seqs, tokens, strict=True)
-            ]
-        else:
-            out = self.runner.execute(sched)
-        for seq, n in zip(sched.seqs, sched.num_new_tokens, strict=True):
-            seq.num_computed_tokens += n
-        if not burst:
-            for seq, logprobs in out.prompt_logprobs.items():
-                seq.group.prompt_logprobs.extend(logprobs)
-            allowed = (
-                dict(zip(constrained, self.structured.masks(masks), strict=True))
-                if masks is not None
-                else None
-            )
-            samples = self._sample(out, allowed)
-
-        touched: dict[str, SequenceGroup] = {}
-        finished: list[Sequence] = []
-        now = time.time()
-        for seq, results in samples:
-            drafts = len(seq.draft_token_ids)
-            for result in results:
-                self._append_token(seq, result)
-                if seq.is_finished:
-                    break
-            if drafts and self.proposer is not None and not burst:
-                self.proposer.record(drafts, len(results) - 1)
-            group = seq.group
-            group.metrics.first_token_time = group.metrics.first_token_time or now
-            touched[group.request_id] = group
-            if seq.is_finished:
-                finished.append(seq)
-        for seq in sched.seqs:
-            self._settle(seq)
-        for seq in finished:
-            self._retire(seq)
-
-        outputs = []
-        for group in touched.values():
-            if group.is_finished:
-                group.metrics.finished_time = now
-                del self.groups[group.request_id]
-            outputs.append(self._request_output(group))
-        self._maybe_log_stats()
-        return outputs
-
-    def _plan_burst(self) -> bool:
-        """Whether the coming step runs up to `num_scheduler_steps` decode steps in one native call (vLLM's
-        multi-step scheduling), which spares the Python between steps: only where every running sequence
-        decodes with nothing that edits its logits (greedy or sampled, seeded or not) and nothing to report
-        but its tokens, no other request waits (it would wait for the whole burst), and the burst fits each
-        sequence's max_tokens and context. Each sequence then holds placeholder drafts, so the scheduler
-        reserves the burst's slots and `_settle` gives back those past where the sequence ends."""
-        steps, running = self.config.num_scheduler_steps, self.scheduler.running
-        if (
-            steps < 2
-            or not running
-            or len(running) > self.runner.burst_rows
-            or len(running) * steps > self.config.max_num_batched_tokens
-            or self.scheduler.waiting
-            or self.scheduler.swapped
-            or self._preparing
-        ):
-            return False
-        for seq in running:
-            if (
-                len(seq) - seq.num_computed_tokens != 1
-                or seq.num_output_tokens == 0  # its first token may fork it (n > 1)
-                or seq.draft_token_ids
-                or seq.grammar is not None
-                or not Sampler.unedited(seq)
-            ):
-                return False
-            if seq.params.max_tokens is not None:
-                steps = min(steps, seq.params.max_tokens - seq.num_output_tokens)
-            steps = min(steps, self.max_model_len - len(seq))
-        if steps < 2:
-            return False
-        for seq in running:
-            seq.draft_token_ids = [seq.token_ids[-1]] * (steps - 1)
-        return True
+        out = self.runner.execute(sched)
+        for seq, logprobs in out.prompt_logprobs.items():
+            seq.group.prompt_logprobs.extend(logprobs)
+        allowed = (
+            dict(zip(constrained, self.structured.masks(masks), strict=True)) if masks is not None else None
+        )
+        return self._sample(out, allowed)
 
     def _sample(
         self, out: StepOutput, masks: dict[Sequence, torch.Tensor] | None = None
@@ -394,11 +345,17 @@ class LLMEngine:
         # Rows repeat only where a prompt forks into n samples; otherwise the logits go over uncopied.
         logits = out.logits if len(rows) == len(out.logits) else out.logits[rows]
         if any(drafts):
-            return list(zip(seqs, self.sampler.verify(logits, seqs, drafts, allowed), strict=True))
+            samples = list(zip(seqs, self.sampler.verify(logits, seqs, drafts, allowed), strict=True))
+            for (_, results), draft in zip(samples, drafts, strict=True):
+                if draft:
+                    self.proposer.record(len(draft), len(results) - 1)
+            return samples
         results = self.sampler(logits, seqs, allowed)
         return [(seq, [result]) for seq, result in zip(seqs, results, strict=True)]
 
     def _fork(self, seq: Sequence) -> list[Sequence]:
+        """The n - 1 further samples of a prompt about to sample its first token (the scheduler's
+        post-processing gives them its KV blocks)."""
         group = seq.group
         if seq.num_output_tokens or len(group.seqs) >= group.params.n or seq.index != 0:
             return []
@@ -406,67 +363,19 @@ class LLMEngine:
         for index in range(1, group.params.n):
             child = self._new_sequence(group, seq.token_ids, index)
             child.grammar = seq.grammar.fork() if seq.grammar is not None else None
-            child.num_computed_tokens = seq.num_computed_tokens
-            child.num_cached_tokens = seq.num_cached_tokens
-            self.block_manager.fork(seq, child)
-            self.scheduler.add_running(child)
             children.append(child)
         return children
 
-    def _settle(self, seq: Sequence) -> None:
-        """After a step: K/V computed for rejected draft tokens is not the sequence's (its slots are
-        rewritten by later steps and the blocks past its tokens go back to the pool); then the blocks
-        whose every slot holds the sequence's own K/V join the prefix cache."""
-        if seq.draft_token_ids:
-            seq.num_computed_tokens = min(seq.num_computed_tokens, len(seq) - 1)
-            self.block_manager.trim(seq, len(seq))
-            seq.draft_token_ids = []
-        self.block_manager.register_full_blocks(seq)
-
-    def _append_token(self, seq: Sequence, result: SampleResult) -> None:
-        params = seq.params
-        seq.token_ids.append(result.token_id)
-        seq.cumulative_logprob += result.logprob
-        if result.top_logprobs is not None:
-            seq.logprobs.append(result.top_logprobs)
-        self.generation_tokens_total += 1
-        stop_string = seq.detokenizer.add_token(result.token_id)
-        reason, stop_reason = None, None
-        if seq.num_output_tokens >= params.min_tokens:
-            if result.token_id in params.stop_token_ids:
-                reason, stop_reason = "stop", result.token_id
-            elif not params.ignore_eos and result.token_id in self.tokenizer.eos_token_ids:
-                reason = "stop"
-            elif stop_string is not None:
-                reason, stop_reason = "stop", stop_string
-        if seq.grammar is not None and reason is None:
-            if not seq.grammar.accept(result.token_id):
-                # Only a matcher that ran out of its resource limits gets here (masks allow nothing else).
-                logger.warning("request %s left its grammar: %s", seq.group.request_id, seq.grammar.error)
-                reason = "length"  # cut short of what its grammar describes, as a length limit cuts it
-            elif seq.grammar.is_terminated:
-                reason = "stop"
-        elif (
-            seq.grammar is not None
-            and reason == "stop"
-            and stop_reason is None
-            and not seq.grammar.is_accepting
-        ):
-            # End of sequence before the grammar is complete (a failed matcher allows nothing else): the
-            # output is cut short, never a finished match.
-            logger.warning(
-                "request %s ended outside its grammar: %s", seq.group.request_id, seq.grammar.error
-            )
-            reason = "length"
-        if reason is None and (
-            (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens)
-            or len(seq) >= self.max_model_len
-        ):
-            reason = "length"
-        if reason is not None:
-            if stop_string is None:
-                seq.detokenizer.finish()
-            seq.status, seq.finish_reason, seq.stop_reason = SequenceStatus.FINISHED, reason, stop_reason
+    def _outputs(self, samples: list[tuple[Sequence, list[SampleResult]]]) -> list[RequestOutput]:
+        """The outputs of the requests that got tokens; finished ones leave the engine."""
+        outputs, now = [], time.time()
+        for group in {seq.group.request_id: seq.group for seq, _ in samples}.values():
+            if group.is_finished:
+                group.metrics.finished_time = now
+                del self.groups[group.request_id]
+            outputs.append(self._request_output(group))
+        self._maybe_log_stats()
+        return outputs
 
     def _request_output(self, group: SequenceGroup) -> RequestOutput:
         completions = []

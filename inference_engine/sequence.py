@@ -39,7 +39,8 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)
     block_table_version: int = 0  # bumped whenever blocks are replaced or dropped, not merely appended
-    draft_token_ids: list[int] = field(default_factory=list)  # speculative proposals for this step
+    # Speculative proposals for this step (n-gram), verified after the sequence's newest token; only those.
+    draft_token_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # prefix-cache hash of each computed full block
     cpu_block_table: list[int] = field(default_factory=list)  # where its KV lives while swapped out
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
@@ -59,10 +60,13 @@ class Sequence:
         return len(self.token_ids)
 
     def scheduled_token_ids(self, start: int, count: int) -> list[int]:
-        """The ids at positions start .. start + count - 1, draft tokens after the real ones."""
+        """The ids at positions start .. start + count - 1: its tokens, then its draft tokens; past those, the
+        slots of a burst's later steps, whose tokens the burst samples as it runs, hold its last token."""
         ids = self.token_ids[start : start + count]
         if len(ids) < count:
             ids = ids + self.draft_token_ids[: count - len(ids)]
+        if len(ids) < count:
+            ids = ids + [self.token_ids[-1]] * (count - len(ids))
         return ids
 
     @property

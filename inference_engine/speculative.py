@@ -8,9 +8,9 @@ common pair ("of the") often predicts the token after it but seldom the ones aft
 verifies costs an eighth (bf16) to a quarter (quantized) of a one-row step there. The step runs the proposals
 through the model together with the sequence's newest token, and the sampler keeps the longest prefix the
 model agrees with plus one token of its own (`Sampler.verify`: for greedy requests exactly the tokens greedy
-decoding gives; for sampled ones by rejection sampling, which keeps the output distribution). The engine then
-rolls back what the rejected tokens left behind (`LLMEngine._settle`). Summaries and extractions quote their
-sources, which is where this pays; a large batch already keeps the hardware busy, so above
+decoding gives; for sampled ones by rejection sampling, which keeps the output distribution). The scheduler
+then rolls back what the rejected tokens left behind (`Scheduler.postprocess`). Summaries and extractions
+quote their sources, which is where this pays; a large batch already keeps the hardware busy, so above
 `disable_by_batch_size` running sequences nothing is proposed. Unset, that limit is `CPU_BATCH_LIMIT` on a
 CPU, where verifying drafts costs compute that a batch of several sequences already saturates
 (`benchmarks/speculative.py`), higher for bf16 weights where AMX takes every step of the bf16 kernel (a step

@@ -12,6 +12,7 @@ import pytest
 from inference_engine.errors import InvalidRequestError
 from inference_engine.sampler import SampleResult
 from inference_engine.sampling_params import SamplingParams, StructuredOutputsParams
+from inference_engine.stop_rules import append_token
 from inference_engine.structured_outputs.grammars import check
 from tests.bus.conftest import client, engine, prefix, raw_redis, redis_server, serve, wait_idle  # noqa: F401
 
@@ -78,7 +79,8 @@ def test_an_end_of_sequence_outside_the_grammar_is_not_a_stop(engine) -> None:  
             engine.step()
         (seq,) = engine.groups["eos-outside"].seqs
         assert seq.grammar is not None and not seq.grammar.is_accepting
-        engine._append_token(seq, SampleResult(engine.tokenizer.eos_token_id, 0.0, None))
+        eos = engine.tokenizer.eos_token_id
+        append_token(seq, SampleResult(eos, 0.0, None), engine.tokenizer.eos_token_ids, engine.max_model_len)
         assert seq.finish_reason == "length"
     finally:
         engine.abort_request("eos-outside")
