@@ -2,6 +2,7 @@
 
     serve      one engine process serving one model on the Redis bus (flags mirror vLLM's)
     worker     the tensor-parallel ranks of a second (third, ...) machine, for a `serve` on the first
+    rank       one tensor-parallel rank (rank 0's engine or `worker` starts it, its config on stdin)
     supervise  hot-loads / unloads models (one `serve` child per model) on control messages
     redis      start the project's own redis-server and print its URL (for a zero-setup demo)
 
@@ -119,6 +120,13 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--log-level", default="INFO")
     _add_engine_flags(worker)
 
+    rank = commands.add_parser(
+        "rank", help="one tensor-parallel rank, started by rank 0's engine or `worker`"
+    )
+    rank.add_argument("rank", type=int)
+    rank.add_argument("--parent-pid", type=int, required=True, help="the process it dies with")
+    rank.add_argument("--ready-fd", type=int, required=True, help="a pipe on which it says it started")
+
     redis = commands.add_parser(
         "redis", help="run a private redis-server until interrupted (or until it dies)"
     )
@@ -144,7 +152,7 @@ def serve(args: argparse.Namespace) -> None:
 
     from inference_engine.bus.server import EngineServer, ServeSettings, first_token_pause_for
     from inference_engine.config import EngineConfig
-    from inference_engine.engine_loop import freeze_startup_heap
+    from inference_engine.distributed import freeze_startup_heap
     from inference_engine.llm_engine import LLMEngine
     from llmserve_kernels.cpu.team import spread_team
 
@@ -218,13 +226,18 @@ def worker(args: argparse.Namespace) -> None:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    while not stop.wait(0.5) and all(p.is_alive() for p in processes):
+    while not stop.wait(0.5) and all(p.poll() is None for p in processes):
         pass
     for process in processes:
-        if process.is_alive():
-            process.kill()
-        process.join()
-    sys.exit(0 if stop.is_set() or all(p.exitcode == 0 for p in processes) else 1)
+        process.kill()
+        process.wait()
+    sys.exit(0 if stop.is_set() or all(p.returncode == 0 for p in processes) else 1)
+
+
+def rank(args: argparse.Namespace) -> None:
+    from inference_engine.tp_workers import rank_main
+
+    rank_main(args.rank, args.parent_pid, args.ready_fd)
 
 
 def redis_only(port: int | None) -> int:
@@ -250,6 +263,9 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.command == "redis":
         sys.exit(redis_only(args.port))
+    if args.command == "rank":
+        rank(args)  # its own log format, with the rank
+        return
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

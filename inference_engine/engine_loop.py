@@ -18,7 +18,6 @@ with the pool's threads sharing one core.
 
 from __future__ import annotations
 
-import gc
 import logging
 import threading
 from collections import deque
@@ -72,15 +71,6 @@ def on_a_thread_that_ends(fn: Callable[[], T]) -> T:
     if isinstance(outcome[0], BaseException):
         raise outcome[0]
     return outcome[0]
-
-
-def freeze_startup_heap() -> None:
-    """Puts every object alive now beyond the reach of Python's cyclic collector, in a process that serves
-    one engine for its whole life. The model, its tables and the tokenizer leave some 200,000 objects that
-    every full collection would walk again (a pause in which no step runs) and never free. Garbage from
-    startup is collected first, so none of it is kept."""
-    gc.collect()
-    gc.freeze()
 
 
 class EngineLoop:

@@ -40,12 +40,12 @@ def _answers(client: EngineClient, name: str) -> list[list[int]]:
 
 
 def _ranks(process: subprocess.Popen) -> list[psutil.Process]:
-    """The rank processes a launcher started (spawned children, not multiprocessing's resource tracker)."""
+    """The rank processes a launcher started (`python -m inference_engine rank`)."""
     try:
         children = psutil.Process(process.pid).children(recursive=True)
     except psutil.NoSuchProcess:
         return []
-    return [c for c in children if "spawn_main" in " ".join(c.cmdline())]
+    return [c for c in children if "inference_engine rank" in " ".join(c.cmdline())]
 
 
 def test_sharded_replica_answers_and_dies_with_a_rank(redis_server, model, expected):
