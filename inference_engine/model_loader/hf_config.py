@@ -7,6 +7,8 @@ wrong.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from inference_engine.layers.rotary import ROPE_TYPES
 from inference_engine.model_loader import ModelConfig
 
@@ -18,7 +20,67 @@ _UNSUPPORTED = {
     "attn_logit_softcapping_per_layer": None,
     "use_qk_norm": False,
     "rope_interleaved": False,
+    "clip_qkv": None,  # OLMoE's clamp of q, k and v (its released checkpoints leave it unset)
 }
+# Read by the mixture-of-experts families (`MoEModelConfig`); router_aux_loss_coef, output_router_logits and
+# router_jitter_noise only shape training.
+_MOE_ARCHITECTURES = {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"}
+
+
+@dataclass
+class MoEModelConfig(ModelConfig):
+    """`ModelConfig` with the mixture-of-experts fields: each MoE layer routes a token to
+    `num_experts_per_tok` of `num_experts` SiLU-gated experts of width `moe_intermediate_size` (and, with
+    `shared_expert_intermediate_size`, one shared expert every token goes through, Qwen2-MoE); the layers
+    in `dense_layers` keep a dense MLP of `intermediate_size`."""
+
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
+    shared_expert_intermediate_size: int = 0
+    dense_layers: list[int] = field(default_factory=list)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer not in self.dense_layers
+
+    @property
+    def layer_linear_parameters(self) -> int:
+        """Weights one token multiplies by in an MoE layer: attention, the router, its k experts and the
+        shared expert (the other experts are not read for it)."""
+        dense_mlp = 3 * self.hidden_size * self.intermediate_size
+        routed = self.num_experts_per_tok * 3 * self.hidden_size * self.moe_intermediate_size
+        shared = 3 * self.hidden_size * self.shared_expert_intermediate_size + self.hidden_size
+        return (
+            super().layer_linear_parameters
+            - dense_mlp
+            + routed
+            + shared
+            + self.num_experts * self.hidden_size
+        )
+
+
+def _moe_fields(arch: str, raw: dict) -> dict:
+    """The `MoEModelConfig` fields of a mixture-of-experts config.json (Mixtral's names or Qwen's)."""
+    experts = raw.get("num_experts") or raw.get("num_local_experts")
+    top_k = raw.get("num_experts_per_tok")
+    if not experts or not top_k or top_k > experts:
+        raise ValueError(
+            f"{arch}: num_experts={experts}, num_experts_per_tok={top_k} is not a mixture of experts."
+        )
+    if arch == "Qwen2MoeForCausalLM" and not raw.get("shared_expert_intermediate_size"):
+        raise ValueError(f"{arch}: config field shared_expert_intermediate_size is missing.")
+    layers, step = raw["num_hidden_layers"], raw.get("decoder_sparse_step") or 1
+    mlp_only = set(raw.get("mlp_only_layers") or [])
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=raw.get("moe_intermediate_size") or raw["intermediate_size"],
+        # Mixtral always renormalises; the others where the config says so (transformers' default: off)
+        norm_topk_prob=arch == "MixtralForCausalLM" or bool(raw.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=raw.get("shared_expert_intermediate_size") or 0,
+        dense_layers=[i for i in range(layers) if i in mlp_only or (i + 1) % step],
+    )
 
 
 def model_class(raw: dict):
@@ -79,7 +141,9 @@ def model_config(raw: dict, eos_token_ids: list[int]) -> ModelConfig:
     window = raw.get("sliding_window") or 0
     if layer_types is not None and "sliding_attention" not in layer_types:
         window = 0
-    return ModelConfig(
+    moe = _moe_fields(arch, raw) if arch in _MOE_ARCHITECTURES else {}
+    return (MoEModelConfig if moe else ModelConfig)(
+        **moe,
         architecture=arch,
         vocab_size=raw["vocab_size"],
         hidden_size=raw["hidden_size"],
@@ -93,7 +157,7 @@ def model_config(raw: dict, eos_token_ids: list[int]) -> ModelConfig:
         rope_theta=full["rope_theta"],
         rope_scaling=scaling,
         tie_word_embeddings=raw.get("tie_word_embeddings", False),
-        attention_bias=raw.get("attention_bias", cls.attention_bias),
+        attention_bias=raw.get("attention_bias", raw.get("qkv_bias", cls.attention_bias)),
         eos_token_ids=eos_token_ids,
         hidden_act=raw.get("hidden_activation") or raw.get("hidden_act") or "silu",
         partial_rotary_factor=partial,

@@ -6,9 +6,12 @@ from torch import nn
 from inference_engine.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from inference_engine.models.granite import GraniteForCausalLM
 from inference_engine.models.llama import LlamaForCausalLM
+from inference_engine.models.mixtral import MixtralForCausalLM
 from inference_engine.models.olmo2 import Olmo2ForCausalLM
+from inference_engine.models.olmoe import OlmoeForCausalLM
 from inference_engine.models.phi3 import Phi3ForCausalLM
 from inference_engine.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+from inference_engine.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -21,4 +24,8 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "OlmoeForCausalLM": OlmoeForCausalLM,
 }

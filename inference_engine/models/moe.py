@@ -1,0 +1,171 @@
+"""The sparse mixture-of-experts MLP and the decoder layer and model that carry it, over the Llama layers.
+
+Each token's router logits pick its top-k experts (`route`, as transformers computes it per family); the
+experts, stacked into [E, 2I, H] (gate rows, then up rows) and [E, H, I] tensors at load, run in one fused
+kernel over the whole step: `llmserve_kernels.cpu.moe` on the CPU, `llmserve_kernels.triton.fused_moe` on
+CUDA, `fused_moe_ref` where neither can run. The native whole-decoder path is dense-only, so these models
+run layer by layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from inference_engine.distributed import tp_size
+from inference_engine.layers.linear import Weight
+from inference_engine.model_loader.hf_config import MoEModelConfig
+from inference_engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from llmserve_kernels.cpu import moe as cpu_moe
+from llmserve_kernels.reference import fused_moe_ref
+
+logger = logging.getLogger(__name__)
+
+# A checkpoint's per-expert tensor: (layer prefix, expert, projection), transformers' names for each family.
+_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# transformers 5's fused form: every expert of a projection in one tensor.
+_FUSED_EXPERTS = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights fp32 [T, k], expert ids [T, k]): softmax over all experts in fp32, then the top k (ties as
+    torch.topk breaks them), divided by their sum where `renormalize`. Mixtral's top-k-then-softmax is this
+    with `renormalize`."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def fused_experts(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """The experts' weighted sum for every token, through the device's fused kernel."""
+    if x.device.type == "cuda":
+        from llmserve_kernels.triton.fused_moe import fused_moe
+
+        return fused_moe(x, w13, w2, weights, ids)
+    out = cpu_moe.fused_moe(x, w13, w2, weights, ids)
+    return out if out is not None else fused_moe_ref(x, w13, w2, weights, ids)
+
+
+class FusedExperts(nn.Module):
+    """Every expert of a layer, stacked for the fused kernels: w13 [E, 2I, H] (gate rows then up rows) and
+    w2 [E, H, I], filled expert by expert (or whole, from transformers 5's fused tensors) as the checkpoint
+    gives them."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.w13 = torch.empty(num_experts, 2 * inter, hidden)  # default device and dtype: the model's
+        self.w2 = torch.empty(num_experts, hidden, inter)
+        self.loaded = torch.zeros(num_experts, 3, dtype=torch.bool)  # gate, up, down
+
+    def load_expert(self, expert: int, projection: str, weight: Weight) -> None:
+        if not isinstance(weight, torch.Tensor):
+            raise ValueError("quantized expert weights are not supported: load the checkpoint dequantized")
+        inter = self.w2.shape[2]
+        if projection == "down_proj":
+            self.w2[expert].copy_(weight)
+        else:
+            rows = slice(0, inter) if projection == "gate_proj" else slice(inter, 2 * inter)
+            self.w13[expert, rows].copy_(weight)
+        self.loaded[expert, ("gate_proj", "up_proj", "down_proj").index(projection)] = True
+
+    def load_fused(self, projection: str, weight: Weight) -> None:
+        if not isinstance(weight, torch.Tensor):
+            raise ValueError("quantized expert weights are not supported: load the checkpoint dequantized")
+        if projection == "down_proj":
+            self.w2.copy_(weight)
+            self.loaded[:, 2] = True
+        else:
+            self.w13.copy_(weight)
+            self.loaded[:, :2] = True
+
+    def finalize(self) -> None:
+        if not self.loaded.all():
+            missing = sorted({int(e) for e in (~self.loaded).nonzero()[:, 0]})
+            raise ValueError(f"checkpoint is missing weights of experts {missing[:5]}")
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.w13.nbytes + self.w2.nbytes
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return fused_experts(x, self.w13, self.w2, weights, ids)
+
+
+class SparseMoeBlock(nn.Module):
+    """Router, routed experts and (Qwen2-MoE) the shared expert, scaled by its sigmoid gate."""
+
+    def __init__(self, config: MoEModelConfig) -> None:
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(
+                f"experts with hidden_act {config.hidden_act!r} are not supported (supported: silu)."
+            )
+        if tp_size() > 1:
+            raise ValueError("mixture-of-experts models do not support tensor parallelism yet")
+        self.top_k, self.renormalize = config.num_experts_per_tok, config.norm_topk_prob
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = FusedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
+        self.shared_expert = self.shared_expert_gate = None
+        if config.shared_expert_intermediate_size:
+            shared = dataclasses.replace(config, intermediate_size=config.shared_expert_intermediate_size)
+            self.shared_expert = LlamaMLP(shared)
+            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        out = self.experts(x, weights, ids)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+class MoeDecoderLayer(LlamaDecoderLayer):
+    """The pre-norm Llama layer with a sparse MoE block as its MLP (a dense one on `dense_layers`)."""
+
+    def __init__(self, config: MoEModelConfig, layer: int, rotary, backend, qk_norm: str | None) -> None:
+        super().__init__(config, layer, rotary, backend, qk_norm)
+        if config.is_moe_layer(layer):
+            self.mlp = SparseMoeBlock(config)
+
+
+class MoeForCausalLM(LlamaForCausalLM):
+    """The Llama model with `MoeDecoderLayer`s; families name their checkpoints' tensors in
+    `checkpoint_weights`."""
+
+    decoder_layer = MoeDecoderLayer
+
+    def use_native_decoder(self) -> bool:
+        logger.info("%s runs layer by layer: the native decoder has no MoE layers", self.config.architecture)
+        return False
+
+    def load_weights(self, weights: Iterable[tuple[str, Weight]]) -> None:
+        # `LlamaForCausalLM.load_weights` converts the names it is passed once more: the families'
+        # conversions are renames that leave converted names as they are.
+        super().load_weights(self._load_experts(self.checkpoint_weights(weights)))
+
+    def _load_experts(self, weights: Iterable[tuple[str, Weight]]) -> Iterator[tuple[str, Weight]]:
+        """Loads the expert tensors into their layers' stacks; passes every other tensor on."""
+        for name, tensor in weights:
+            if match := _EXPERT.match(name):
+                prefix, expert, projection = match.groups()
+                self.get_submodule(prefix).load_expert(int(expert), projection, tensor)
+            elif match := _FUSED_EXPERTS.match(name):
+                self.get_submodule(match[1]).load_fused(match[2], tensor)
+            else:
+                yield name, tensor
+
+    def finalize(self, quantize_int8: bool = False) -> None:
+        super().finalize(quantize_int8)
+        for module in self.modules():
+            if isinstance(module, FusedExperts):
+                module.finalize()

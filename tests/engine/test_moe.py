@@ -1,0 +1,58 @@
+"""Every mixture-of-experts family gives transformers' fp32 greedy tokens on tiny random checkpoints
+(`moe_families.FAMILIES`) through the offline `LLM`, with its routed experts on the native CPU kernel.
+Divergences where transformers' top-2 margin is below 1e-3 are ties, counted and reported, not failures."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from inference_engine import LLM, SamplingParams
+from inference_engine.models.moe import FusedExperts
+
+from . import moe_families
+from .conftest import assert_all_blocks_free
+from .families import compare
+
+MAX_TOKENS = 24
+TEXTS = [
+    "The capital of France is",
+    "Once upon a time, in a small village by the sea, there lived a",  # 15 tokens: past the window soon
+    "def quicksort(arr):\n    ",
+    "1, 1, 2, 3, 5, 8, 13,",
+]
+
+
+@pytest.mark.parametrize("family", sorted(moe_families.FAMILIES))
+def test_moe_family_matches_transformers(family):
+    llm = LLM(model=str(moe_families.folder(family)), dtype="float32", seed=0)
+    experts = [m for m in llm.engine.runner.model.modules() if isinstance(m, FusedExperts)]
+    assert len(experts) == (2 if family == "qwen2moe" else 3)  # Qwen2-MoE's middle layer is dense
+    prompts = [llm.get_tokenizer().encode(text) for text in TEXTS]
+    references = moe_families.hf_greedy(family, prompts, MAX_TOKENS)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    mismatches, ties = compare([o.outputs[0].token_ids for o in outputs], references)
+    print(f"{family}: {len(prompts) - len(mismatches) - ties} equal, {ties} ties")
+    assert not mismatches, mismatches
+    assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"num_experts_per_tok": 9}, "num_experts_per_tok"),
+        ({"clip_qkv": 8.0}, "clip_qkv"),
+        ({"shared_expert_intermediate_size": None}, "shared_expert_intermediate_size"),
+    ],
+)
+def test_bad_moe_config_is_refused_naming_the_field(tmp_path, change, field):
+    source = moe_families.folder("qwen2moe")
+    for item in source.iterdir():
+        (tmp_path / item.name).symlink_to(item)
+    (tmp_path / "config.json").unlink()
+    config = json.loads((source / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(ValueError, match=field):
+        LLM(model=str(tmp_path), dtype="float32")
