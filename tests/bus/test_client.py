@@ -8,7 +8,8 @@ import time
 import pytest
 
 from inference_engine.bus import protocol as P
-from inference_engine.bus.client import AsyncEngineClient, AsyncGenerationStream, _OutputReader
+from inference_engine.bus.async_client import _OutputReader
+from inference_engine.bus.client import AsyncEngineClient, AsyncGenerationStream
 from inference_engine.bus.redis_server import RedisServer
 from inference_engine.errors import (
     EngineOverloadedError,
