@@ -619,7 +619,7 @@ class EngineServer:
         last = self.redis.xrevrange(self.keys.output(rid), count=1)
         seen = P.parse(last[0][1]).type if last else None
         log.warning("replica %s takes over request %s (last output: %s)", self.replica_id, rid, seen)
-        if seen in (P.FINAL, P.ERROR):
+        if seen in (P.FINAL, P.ERROR, P.RESULT):  # (a result ends an embedding)
             self._done.append((stream, entry_id))
         elif self.redis.exists(self.keys.abort(rid)):
             self._writes.append((rid, P.Error.of(RequestAbortedError("the request was aborted."))))
