@@ -245,6 +245,15 @@ class APIKey(models.Model):
         return self.last_used_at is None or (timezone.now() - self.last_used_at).total_seconds() > 60
 
 
+class KeyUsage(APIKey):
+    """An API key as the bulk admin shows it: the tokens of the Batch API jobs it created."""
+
+    class Meta:
+        proxy = True
+        verbose_name = _("bulk usage of an API key")
+        verbose_name_plural = _("bulk usage per API key")
+
+
 # Bulk jobs and the Batch API keep their models in their own module; importing them here registers them.
 from llmserve.bulk.models import Batch, BatchFile, BulkItem, BulkJob  # noqa: E402, F401
 

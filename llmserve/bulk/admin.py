@@ -28,7 +28,8 @@ from django.views.decorators.http import require_POST
 from llmserve import conf
 from llmserve.api.errors import APIError
 from llmserve.bulk import services, uploads
-from llmserve.bulk.models import Batch, BatchFile, BulkItem, BulkJob, KeyUsage
+from llmserve.bulk.models import Batch, BatchFile, BulkItem, BulkJob
+from llmserve.models import KeyUsage
 
 
 class BulkJobForm(forms.ModelForm):

@@ -22,7 +22,7 @@ from django.db import transaction
 from llmserve.api import schema
 from llmserve.api.errors import BadRequest
 from llmserve.bulk import services
-from llmserve.bulk.models import Batch, BatchFile, BulkItem, BulkJob
+from llmserve.bulk.models import Batch, BatchFile, BulkJob
 from llmserve.bulk.requests import ENDPOINT_KINDS
 from llmserve.models import APIKey
 
@@ -130,45 +130,6 @@ def create_batch(
             completion_window=completion_window,
             metadata=metadata,
         )
-
-
-def write_result_files(batch: Batch) -> None:
-    """The output file (successful requests) and error file (refused ones); each only if it has lines."""
-    job = batch.job
-    files = {BulkItem.Status.DONE: io.BytesIO(), BulkItem.Status.FAILED: io.BytesIO()}
-    items = (
-        job.items.exclude(status=BulkItem.Status.PENDING)
-        .order_by("index")
-        .only("index", "custom_id", "status", "attempts", "response", "error")
-    )
-    for item in items.iterator(chunk_size=services.CREATE_BATCH):
-        request_id = job.request_id(item.index, item.attempts)
-        if item.status == BulkItem.Status.DONE:
-            response = {"status_code": 200, "request_id": request_id, "body": item.response}
-        else:
-            error = dict(item.error or {})
-            status = error.pop("status_code", 500)
-            response = {"status_code": status, "request_id": request_id, "body": {"error": error}}
-        line = {
-            "id": f"batch_req_{item.pk}",
-            "custom_id": item.custom_id,
-            "response": response,
-            "error": None,
-        }
-        files[item.status].write(json.dumps(line, ensure_ascii=False).encode() + b"\n")
-    for status, field, suffix in (
-        (BulkItem.Status.DONE, "output_file", "output"),
-        (BulkItem.Status.FAILED, "error_file", "errors"),
-    ):
-        if files[status].tell():
-            created = BatchFile.objects.create(
-                owner=batch.owner,
-                purpose=BatchFile.Purpose.BATCH_OUTPUT,
-                filename=f"{batch.id}_{suffix}.jsonl",
-                content=files[status].getvalue(),
-            )
-            setattr(batch, field, created)
-    batch.save(update_fields=["output_file", "error_file"])
 
 
 def as_openai(batch: Batch) -> dict[str, Any]:

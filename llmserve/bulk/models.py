@@ -18,8 +18,6 @@ from django.db import models
 from django.db.models import Q
 from django.utils.translation import gettext_lazy as _
 
-from llmserve.models import APIKey
-
 
 class BulkJob(models.Model):
     """A model, a prompt template and sampling parameters applied to many items.
@@ -176,15 +174,6 @@ class BulkItem(models.Model):
 
     def __str__(self) -> str:
         return f"{self.job_id}#{self.index}"
-
-
-class KeyUsage(APIKey):
-    """An API key as the bulk admin shows it: the tokens of the Batch API jobs it created."""
-
-    class Meta:
-        proxy = True
-        verbose_name = _("bulk usage of an API key")
-        verbose_name_plural = _("bulk usage per API key")
 
 
 def _file_id() -> str:

@@ -18,17 +18,19 @@ from datetime import timedelta
 from itertools import islice
 from typing import Any
 
+from celery import current_app
 from django.db import transaction
 from django.db.models import Count, Q, Sum
 from django.utils import timezone
 
 from inference_engine.bus.client import EngineClient
 from llmserve import bus, conf
-from llmserve.bulk import requests
-from llmserve.bulk.models import BulkItem, BulkJob, BulkRunner
+from llmserve.bulk import requests, uploads
+from llmserve.bulk.models import Batch, BulkItem, BulkJob, BulkRunner
 from llmserve.models import APIKey
 
 CREATE_BATCH = 1000  # items per INSERT when a job is created
+RUN_BULK_JOB = "llmserve.bulk.tasks.run_bulk_job"
 
 
 @dataclass
@@ -102,10 +104,9 @@ def create_job(
 
 
 def start_job(job: BulkJob) -> None:
-    """Queue (or re-queue: it is idempotent) the task that runs ``job``."""
-    from llmserve.bulk.tasks import run_bulk_job
-
-    run_bulk_job.delay(job.pk)
+    """Queue (or re-queue: it is idempotent) the task that runs ``job`` (`llmserve.bulk.tasks`, which
+    imports this module: the task goes by its name)."""
+    current_app.signature(RUN_BULK_JOB, args=(job.pk,)).delay()
 
 
 def pause_job(job: BulkJob) -> bool:
@@ -161,17 +162,15 @@ def finalize(job: BulkJob, status: str) -> bool:
     """Move an active job to its final ``status`` (once: concurrent runners race here), dismiss its runners
     (so no result is stored after the counts are final) and, for a Batch API job, write its output and error
     files."""
-    from llmserve.bulk import batches
-
     with transaction.atomic():
         if not BulkJob.objects.filter(pk=job.pk, status__in=BulkJob.ACTIVE).update(
             status=status, finished_at=timezone.now()
         ):
             return False
         BulkRunner.objects.filter(job_id=job.pk).delete()
-        batch = batches.Batch.objects.filter(job_id=job.pk).first()
+        batch = Batch.objects.filter(job_id=job.pk).first()
         if batch is not None:
-            batches.write_result_files(batch)
+            uploads.write_result_files(batch)
     return True
 
 

@@ -1,4 +1,5 @@
-"""Items from an uploaded file, and results to a downloaded one, a line at a time.
+"""Items from an uploaded file, and results to a downloaded one (and a finished batch's output and error
+files), a line at a time.
 
 An upload is read twice, never held whole: once to validate it (a bad line refuses the whole file, before any
 item exists) and once, from its start, while the items are inserted a thousand at a time. Django keeps large
@@ -17,6 +18,7 @@ from typing import Any
 from django.core.files.uploadedfile import UploadedFile
 
 from llmserve.api.schema import lone_surrogate
+from llmserve.bulk.models import Batch, BatchFile, BulkItem
 
 
 class UploadError(ValueError):
@@ -105,3 +107,42 @@ def csv_lines(results: Iterable[dict[str, Any]]) -> Iterator[bytes]:
         )
         writer.writerow([csv_cell(cell) for cell in cells])
         yield buffer.getvalue().encode()
+
+
+def write_result_files(batch: Batch) -> None:
+    """The output file (successful requests) and error file (refused ones); each only if it has lines."""
+    job = batch.job
+    files = {BulkItem.Status.DONE: io.BytesIO(), BulkItem.Status.FAILED: io.BytesIO()}
+    items = (
+        job.items.exclude(status=BulkItem.Status.PENDING)
+        .order_by("index")
+        .only("index", "custom_id", "status", "attempts", "response", "error")
+    )
+    for item in items.iterator(chunk_size=1000):  # rows per query
+        request_id = job.request_id(item.index, item.attempts)
+        if item.status == BulkItem.Status.DONE:
+            response = {"status_code": 200, "request_id": request_id, "body": item.response}
+        else:
+            error = dict(item.error or {})
+            status = error.pop("status_code", 500)
+            response = {"status_code": status, "request_id": request_id, "body": {"error": error}}
+        line = {
+            "id": f"batch_req_{item.pk}",
+            "custom_id": item.custom_id,
+            "response": response,
+            "error": None,
+        }
+        files[item.status].write(json.dumps(line, ensure_ascii=False).encode() + b"\n")
+    for status, field, suffix in (
+        (BulkItem.Status.DONE, "output_file", "output"),
+        (BulkItem.Status.FAILED, "error_file", "errors"),
+    ):
+        if files[status].tell():
+            created = BatchFile.objects.create(
+                owner=batch.owner,
+                purpose=BatchFile.Purpose.BATCH_OUTPUT,
+                filename=f"{batch.id}_{suffix}.jsonl",
+                content=files[status].getvalue(),
+            )
+            setattr(batch, field, created)
+    batch.save(update_fields=["output_file", "error_file"])
