@@ -47,11 +47,10 @@ from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from django.db import close_old_connections
 
 from inference_engine.bus.protocol import RequestDelta
-from inference_engine.errors import EngineError, ModelNotFoundError
-from llmserve import bus, conf, lookups
-from llmserve.api import errors, schema
+from inference_engine.errors import EngineError
+from llmserve import bus, conf
+from llmserve.api import errors, generation, schema
 from llmserve.api.models import _served
-from llmserve.api.responses import AnswerReader, call_finish_reason, tool_delta
 from llmserve.auth import (
     AuthenticationFailed,
     Principal,
@@ -60,7 +59,6 @@ from llmserve.auth import (
     acheck_rate,
     bearer_token,
 )
-from llmserve.metrics import RequestTimer
 
 log = logging.getLogger("llmserve.chat")
 
@@ -247,30 +245,18 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
         # Off the event loop: validating a constraint (a JSON schema, a grammar) takes up to tens of ms, which
         # every other socket and request of this worker would wait out.
         request = await asyncio.to_thread(_parse, content)
-        config = await lookups.model_config(request.model)
-        if config is not None and not config.enabled:
-            raise ChatError("model_not_found", f"The model `{request.model}` is disabled.", "model")
         await sync_to_async(close_old_connections)()  # as REST does: no connection held while streaming
         self.answer = Answer(content.get("id"), request.model)
-        self.task = asyncio.create_task(self._stream(self.answer, request, configured=config is not None))
+        self.task = asyncio.create_task(self._stream(self.answer, request))
 
-    async def _stream(self, answer: Answer, request: schema.GenerationRequest, configured: bool) -> None:
-        """The token loop: its own task, so cancelling it (stop, disconnect) aborts the engine request."""
-        timer = RequestTimer(request.model, answer.received)
+    async def _stream(self, answer: Answer, request: schema.GenerationRequest) -> None:
+        """The token loop: its own task, so cancelling it (stop, disconnect) aborts the engine request. The
+        request goes through the REST API's own submit and stream chunks; each chunk's choice becomes a
+        ``delta`` frame."""
         try:
+            submitted = await generation.submit(request)
             try:
-                stream = await bus.async_client().generate(
-                    request.model,
-                    params=request.params,
-                    messages=request.messages,
-                    tools=request.tools,
-                    chat_options=request.chat_options,
-                )
-            except ModelNotFoundError:
-                raise ChatError.from_api(errors.model_not_served(request.model, configured)) from None
-            timer.accepted(stream.prompt_tokens or 0)
-            async with stream:  # aborts the request however this block is left early
-                answer.prompt_tokens = stream.prompt_tokens or 0
+                answer.prompt_tokens = submitted.streams[0].prompt_tokens or 0
                 await self.send_json(
                     {
                         "type": "start",
@@ -279,38 +265,31 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
                         "prompt_tokens": answer.prompt_tokens,
                     }
                 )
-                choice = request.tool_choice
-                constrained = request.params.structured_outputs is not None
-                reader = AnswerReader(choice, stream.tool_parser, stream.reasoning_parser, constrained)
-                called = False
-                async for delta in stream:
-                    timer.delta(delta)
+                builder = await generation.response_builder(submitted)
+                async for _, delta in submitted.deltas():
                     answer.saw(delta)
-                    reasoning, parsed = reader.feed("".join(o.text for o in delta.outputs), delta.finished)
-                    calls = tool_delta(parsed, choice)
-                    calls.pop("content", None)
-                    thought = {"reasoning_content": reasoning} if reasoning else {}
-                    if parsed.content or calls or thought:
-                        called = called or bool(calls)
+                    chunk = builder.delta_chunk(delta)
+                    choice = chunk["choices"][0] if chunk is not None else {"delta": {}}
+                    said = choice["delta"]
+                    if any(said.values()):  # not a token that says nothing yet
                         await self.send_json(
-                            {"type": "delta", "id": answer.id, "text": parsed.content, **thought, **calls}
+                            {"type": "delta", "id": answer.id, "text": said.pop("content", ""), **said}
                         )
                     if delta.finished:
-                        reason = delta.outputs[0].finish_reason
-                        if called:
-                            reason = call_finish_reason(reason, called, choice)
                         if delta.usage is not None:
                             answer.completion_tokens = delta.usage.completion_tokens
-                        await self.send_json(answer.end_message(reason))
+                        await self.send_json(answer.end_message(_end_reason(delta, choice)))
+            finally:
+                await submitted.abort()  # stopped or disconnected: the engine request ends too
         except ChatError as exc:
             await self._send_error(exc, answer.id)
+        except errors.APIError as exc:
+            await self._send_error(ChatError.from_api(exc), answer.id)
         except EngineError as exc:
             await self._send_error(ChatError.from_api(errors.from_engine_error(exc)), answer.id)
         except Exception:
             log.exception("chat answer failed")
             await self._send_error(ChatError("internal_error", "The answer failed on the server."), answer.id)
-        finally:
-            timer.aborted()  # stopped or disconnected (a finished answer is counted already)
 
     async def _stop(self) -> None:
         """Stop the running answer (a late stop, after the answer ended, is harmless)."""
@@ -389,6 +368,13 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
                 "retry_after": exc.retry_after,
             }
         )
+
+
+def _end_reason(delta: RequestDelta, choice: dict[str, Any]) -> str | None:
+    """The chunk's finish reason where the answer called tools; else the engine's own, "abort" included (the
+    REST stream says "stop" for that, since its client is gone)."""
+    reason = choice.get("finish_reason")
+    return reason if reason in ("tool_calls", "function_call") else delta.outputs[0].finish_reason
 
 
 # Body fields the chat decides itself: one streamed answer, no logprobs.

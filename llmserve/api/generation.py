@@ -53,6 +53,8 @@ class Submitted:
 
 
 async def submit(request: GenerationRequest) -> Submitted:
+    """Every engine request of `request`, accepted; raises `errors.APIError` (a disabled or unserved model)
+    or the engine's refusal, with nothing left running."""
     received = time.monotonic()
     config = await lookups.model_config(request.model)
     if config is not None and not config.enabled:
@@ -121,13 +123,18 @@ async def _merged(streams: list[AsyncGenerationStream]) -> AsyncIterator[tuple[i
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+async def response_builder(submitted: Submitted) -> ResponseBuilder:
+    """The builder of the answer's JSON body or stream chunks, given the model's parsers (from the ack)."""
+    first = submitted.streams[0]
+    return ResponseBuilder(
+        submitted.request, await _echoes(submitted), first.tool_parser, first.reasoning_parser
+    )
+
+
 async def respond(request: GenerationRequest) -> HttpResponse:
     submitted = await submit(request)
     try:
-        first = submitted.streams[0]
-        builder = ResponseBuilder(
-            request, await _echoes(submitted), first.tool_parser, first.reasoning_parser
-        )
+        builder = await response_builder(submitted)
     except BaseException:
         await submitted.abort()
         raise

@@ -12,7 +12,7 @@ from channels.testing import WebsocketCommunicator
 from django.test import Client
 
 from hostproject.asgi import application
-from llmserve.models import APIKey
+from llmserve.models import APIKey, ModelConfig
 from tests.bus.conftest import MODEL, generate_offline, wait_idle
 from tests.rate_window import early_in_a_rate_window
 
@@ -190,6 +190,30 @@ async def test_bad_input_gets_an_error_and_the_socket_stays_usable(
     await ws.send_json_to({"type": "models"})
     assert (await ws.receive_json_from(5))["models"][0]["id"] == MODEL
     await ws.disconnect()
+
+
+@pytest.mark.parametrize(
+    ("name", "enabled", "code", "words"),
+    [
+        (MODEL, False, "model_not_found", "is disabled"),  # served, but the admin switched it off
+        ("configured-only", True, "engine_unavailable", "no engine is serving it"),
+    ],
+)
+@pytest.mark.asyncio
+async def test_the_admins_models_are_refused_as_rest_refuses_them(
+    served, session_cookie, name, enabled, code, words
+) -> None:
+    ws = await connected(session_cookie)
+    await ModelConfig.objects.acreate(name=name, enabled=enabled)
+    await ws.send_json_to(chat(model=name))
+    error = await ws.receive_json_from(5)
+    assert error["type"] == "error" and error["id"] == 1 and error["code"] == code, error
+    assert error["param"] == "model" and words in error["message"]
+    await ws.send_json_to({"type": "models"})  # the socket goes on
+    served_names = [m["id"] for m in (await ws.receive_json_from(5))["models"]]
+    assert served_names == ([MODEL] if enabled else [])
+    await ws.disconnect()
+    await until_idle(served)
 
 
 @pytest.mark.asyncio
