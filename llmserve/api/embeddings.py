@@ -51,9 +51,16 @@ class EmbeddingRequest(schema.RequestModel):
 
 @api_view(("POST",), json_body=True)
 async def embeddings(request: HttpRequest, body: dict[str, Any], principal: Principal) -> HttpResponse:
+    return JsonResponse(await create(body, principal.min_priority))
+
+
+async def create(body: dict[str, Any], min_priority: int | None = None) -> dict[str, Any]:
+    """The answer's body to an embeddings request body (also for a Batch API line); raises `errors.APIError`
+    or the engine's refusal. `min_priority`: the most urgent `priority` the caller may ask for (None:
+    LLMSERVE['MIN_PRIORITY'])."""
     data = schema.validate(EmbeddingRequest, body)
     inputs = _inputs(data.input)
-    floor = conf.get("MIN_PRIORITY") if principal.min_priority is None else principal.min_priority
+    floor = conf.get("MIN_PRIORITY") if min_priority is None else min_priority
     if data.priority < floor:
         raise errors.BadRequest(f"`priority` must be at least {floor} here.", param="priority")
     if data.truncate_prompt_tokens == 0:
@@ -86,14 +93,12 @@ async def embeddings(request: HttpRequest, body: dict[str, Any], principal: Prin
         for i, r in enumerate(results)
     ]
     tokens = sum(r.count for r in results)
-    return JsonResponse(
-        {
-            "object": "list",
-            "data": items,
-            "model": data.model,
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-        }
-    )
+    return {
+        "object": "list",
+        "data": items,
+        "model": data.model,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }
 
 
 def _inputs(value: str | list) -> list[str | list[int]]:
