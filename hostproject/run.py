@@ -2,8 +2,9 @@
 Celery worker — kept running until Ctrl-C or SIGTERM stops it cleanly.
 
 Each service runs in its own process group (its own session), so a terminal's Ctrl-C reaches only this
-launcher. A service that dies is restarted: at once the first time, then after 1, 2, 4 ... (at most 30)
-seconds while it keeps dying, the count starting over once it has run for a minute. Whatever its process
+launcher. A service that dies is restarted as the engine supervisor restarts its engines
+(`inference_engine.bus.backoff`): at once the first time, then after 1, 2, 4 ... (at most 30) seconds while
+it keeps dying, the count starting over once it has run for a minute; never given up on. Whatever its process
 group still holds is killed first (a Celery pool child), except for the engine supervisor's: its engines serve
 on and the next supervisor adopts them (`inference_engine.bus.supervisor`). Redis comes back on the same
 port; the engines and the web tier reconnect by themselves. On Ctrl-C or SIGTERM the services stop in reverse
@@ -49,6 +50,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from inference_engine.bus.backoff import RestartBackoff
 from inference_engine.bus.redis_server import free_port
 from inference_engine.bus.supervisor import ADOPT_GROUP_ENV
 
@@ -56,8 +58,6 @@ ROOT = Path(__file__).resolve().parent.parent
 MODEL_NAME = "SmolLM2-135M-Instruct"  # served name of the bundled default model
 READY_TIMEOUT = 600.0  # seconds; the first start on a slow machine loads and converts the model
 STOP_GRACE = 20.0  # seconds each service gets to shut down before its process group is killed (web: + drain)
-MAX_RESTART_DELAY = 30.0
-STABLE_AFTER = 60.0  # seconds of running after which a service's restart count starts over
 
 
 class ServiceFailed(RuntimeError):
@@ -82,7 +82,7 @@ class Service:
         self.name, self.cmd, self.env, self.pass_fds, self.adopts = name, cmd, env, pass_fds, adopts
         self.left_groups: list[int] = []
         self.log_path = log_dir / f"{name}.log"
-        self.failures = 0
+        self.backoff = RestartBackoff()
         self.restart_at: float | None = None
         self.process = self._spawn()
 
@@ -112,10 +112,7 @@ class Service:
                 self.env = {**self.env, ADOPT_GROUP_ENV: ",".join(map(str, self.left_groups))}
             else:
                 _kill_group(self.process)
-            if now - self.started > STABLE_AFTER:
-                self.failures = 0
-            delay = 0.0 if self.failures == 0 else min(MAX_RESTART_DELAY, 2.0 ** (self.failures - 1))
-            self.failures += 1
+            delay = self.backoff.died(now - self.started)
             self.restart_at = now + delay
             print(
                 f"{self.name} exited with {self.process.returncode}; restarting in {delay:g}s "

@@ -4,8 +4,9 @@ Each model runs as a child `python -m inference_engine serve` process, so a mode
 threads stay its own, and unloading it returns all of its memory. The control stream is read through a
 consumer group, so load/unload messages sent while the supervisor was down are handled when it comes back.
 A child that dies unexpectedly is withdrawn from the bus at once (its heartbeat deleted: clients waiting on it
-hear within a poll, not a heartbeat TTL) and restarted, at once the first time and with a growing delay if it
-keeps dying; the new process takes over its predecessor's pending requests.
+hear within a poll, not a heartbeat TTL) and restarted as `backoff` says (at once the first time, with a
+growing delay while it keeps dying; given up on after `MAX_QUICK_RESTARTS` quick restarts in a row); the new
+process takes over its predecessor's pending requests.
 
 With ``spares`` the supervisor also keeps one standby process per model (`serve --standby`: model loaded, not
 on the bus), started once the model has served for a while. When the serving process dies, the spare takes
@@ -38,14 +39,14 @@ from typing import Any
 import redis
 
 from inference_engine.bus import protocol as P
+from inference_engine.bus.backoff import RestartBackoff
 from inference_engine.bus.heartbeat import withdraw_process
 from inference_engine.config import engine_flags
 
 log = logging.getLogger(__name__)
 
 CONTROL_GROUP = "supervisor"
-MAX_QUICK_RESTARTS = 5  # a child that keeps dying within a minute is given up on
-RESTART_DELAYS = (0.0, 1.0, 2.0, 4.0, 8.0)  # seconds before the 1st, 2nd, ... restart within a minute
+MAX_QUICK_RESTARTS = 5  # a child that died this often in a row soon after its start is given up on
 SPARE_AFTER = 10.0  # seconds a model serves before its spare starts loading (not competing with its start)
 ADOPT_GROUP_ENV = "LLMSERVE_ADOPT_GROUP"  # see the module docstring
 
@@ -56,7 +57,7 @@ class _Child:
     model: str | None
     engine_args: dict[str, Any]
     process: subprocess.Popen | Adopted
-    restarts: list[float] = field(default_factory=list)
+    backoff: RestartBackoff = field(default_factory=lambda: RestartBackoff(MAX_QUICK_RESTARTS))
     state: str = "running"  # "running" | "restarting" (at `restart_at`) | "failed"
     restart_at: float = 0.0
     started: float = field(default_factory=time.monotonic)
@@ -310,12 +311,11 @@ class Supervisor:
                 child.spare.send_signal(signal.SIGUSR1)
                 child.process, child.spare, child.started = child.spare, None, now
                 continue
-            child.restarts = [t for t in child.restarts if now - t < 60] + [now]
-            if len(child.restarts) > MAX_QUICK_RESTARTS:
+            delay = child.backoff.died(now - child.started)
+            if child.backoff.given_up:
                 log.error("model %r keeps dying (exit %s); giving up", child.name, child.process.returncode)
                 child.state = "failed"
                 continue
-            delay = RESTART_DELAYS[len(child.restarts) - 1]
             log.warning(
                 "model %r exited with %s (replicas withdrawn: %s); restarting in %gs",
                 child.name,
@@ -338,7 +338,7 @@ class Supervisor:
                 "pid": c.process.pid,
                 "model": c.model,
                 "state": c.state,
-                "restarts": len(c.restarts),
+                "restarts": c.backoff.failures,
                 "spare": c.spare.pid if c.spare is not None and c.spare.poll() is None else None,
             }
             for c in self.children.values()
