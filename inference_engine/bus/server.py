@@ -68,12 +68,12 @@ class ServeSettings:
 
 
 def first_token_pause_for(threads: int, cpus: int) -> float:
-    """The pause `serve` gives a CPU engine whose `threads` take all `cpus` it may run on: 1.5 ms, about what
-    the web process and Redis take to deliver a first token to the client.
+    """The pause `serve` gives a CPU engine whose `threads` take all `cpus` it may run on: long enough for the
+    web process and Redis to deliver a first token to the client (measured: benchmarks/results/bus_server.md).
 
     Without it the next step starts at once on every core, and they wait for the scheduler to give them one
-    back, several times as long. The pause costs the other running requests 1.5 ms once per new request.
-    With a core to spare (or on a GPU) there is nothing to wait for: 0."""
+    back. The pause costs the other running requests its length once per new request. With a core to spare
+    (or on a GPU) there is nothing to wait for: 0."""
     return 0.0015 if threads >= cpus else 0.0
 
 
@@ -510,7 +510,8 @@ class EngineServer:
         with self.redis.pipeline(transaction=False) as pipe:
             for rid, message in self._writes:
                 pipe.xadd(self.keys.output(rid), P.encode(message))
-            # Not on every delta: with dozens of streams that doubled the commands of each step.
+            # Not on every delta: with dozens of streams that doubled the commands of each step (throughput:
+            # benchmarks/results/bus_server.md).
             for rid in {rid for rid, _ in self._writes}:
                 running = rid in self._live
                 if not running or now - self._expire_set.get(rid, -ttl) >= ttl / 4:
