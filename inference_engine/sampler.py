@@ -192,15 +192,7 @@ class Sampler:
     @staticmethod
     def unedited(seq: Sequence) -> bool:
         """Nothing changes the logits before the choice, and no logprobs to report."""
-        params = seq.params
-        return (
-            params.logprobs is None
-            and not params.logit_bias
-            and seq.num_output_tokens >= params.min_tokens
-            and params.repetition_penalty == 1.0
-            and not params.presence_penalty
-            and not params.frequency_penalty
-        )
+        return seq.params.logprobs is None and not seq.params.edits_logits(seq.num_output_tokens)
 
 
 def apply_edits(logits: torch.Tensor, edits: LogitEdits) -> None:

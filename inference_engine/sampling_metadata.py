@@ -88,11 +88,7 @@ class SamplingMetadata:
         edited = [
             (starts[i], seq, list(drafts[i]) if drafts else [])
             for i, (seq, p) in enumerate(zip(seqs, params, strict=True))
-            if p.logit_bias
-            or seq.num_output_tokens < p.min_tokens
-            or p.repetition_penalty != 1.0
-            or p.presence_penalty
-            or p.frequency_penalty
+            if p.edits_logits(seq.num_output_tokens)
         ]
         greedy_rows = rows_of([i for i, g in enumerate(greedy) if g])
         unseeded_rows = rows_of([i for i in sampled if seqs[i].generator is None])

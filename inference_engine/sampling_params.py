@@ -15,6 +15,52 @@ _GREEDY_EPS = 1e-5
 _CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
 
 
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric option may take. The one definition of each bound: `SamplingParams` checks
+    against it and the API's request models are built from it (`field()`), so the two cannot drift."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+
+    def __contains__(self, value: float) -> bool:
+        return (
+            (self.ge is None or value >= self.ge)
+            and (self.gt is None or value > self.gt)
+            and (self.le is None or value <= self.le)
+        )
+
+    def __str__(self) -> str:
+        low = self.ge if self.ge is not None else self.gt
+        if self.le is None:
+            return f"at least {low}" if self.ge is not None else f"greater than {low}"
+        return f"in {'[' if self.ge is not None else '('}{low}, {self.le}]"
+
+    def field(self) -> dict[str, float]:
+        """The bounds as pydantic's `Field` keywords."""
+        return {name: value for name, value in vars(self).items() if value is not None}
+
+
+MAX_LOGPROBS = 20
+RANGES: dict[str, Range] = {
+    "n": Range(ge=1, le=128),
+    "temperature": Range(ge=0),
+    "top_p": Range(gt=0, le=1),
+    "top_k": Range(ge=-1),  # -1 (or 0) turns it off
+    "min_p": Range(ge=0, le=1),
+    "presence_penalty": Range(ge=-2, le=2),
+    "frequency_penalty": Range(ge=-2, le=2),
+    "repetition_penalty": Range(gt=0, le=2),
+    "max_tokens": Range(ge=1),
+    "min_tokens": Range(ge=0),
+    "logprobs": Range(ge=0, le=MAX_LOGPROBS),
+    "prompt_logprobs": Range(ge=0, le=MAX_LOGPROBS),
+}
+LOGIT_BIAS = Range(ge=-100, le=100)
+MAX_STOP_STRINGS = 16
+
+
 @dataclass
 class StructuredOutputsParams:
     """One constraint on the output, vLLM's shape: a JSON schema (`json`, a dict or its JSON text), a
@@ -132,46 +178,36 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
 
+    def edits_logits(self, num_output_tokens: int) -> bool:
+        """Whether anything changes a sequence's logits before its next token is chosen (the sampler's
+        edits): the one answer to that question, for the sampler's fast paths and its metadata alike."""
+        return bool(
+            self.logit_bias
+            or num_output_tokens < self.min_tokens
+            or self.repetition_penalty != 1.0
+            or self.presence_penalty
+            or self.frequency_penalty
+        )
+
     def _validate(self) -> None:
         def bad(msg: str) -> InvalidRequestError:
             return InvalidRequestError(msg)
 
-        if not isinstance(self.n, int) or self.n < 1:
-            raise bad(f"n must be at least 1, got {self.n}.")
-        if self.n > 128:
-            raise bad(f"n must be at most 128, got {self.n}.")
-        if self.temperature < 0.0:
-            raise bad(f"temperature must be non-negative, got {self.temperature}.")
-        if not 0.0 < self.top_p <= 1.0:
-            raise bad(f"top_p must be in (0, 1], got {self.top_p}.")
-        if self.top_k < -1:
-            raise bad(f"top_k must be -1 (disable), or at least 1, got {self.top_k}.")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise bad(f"min_p must be in [0, 1], got {self.min_p}.")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            raise bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            raise bad(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}.")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise bad(f"max_tokens must be at least 1, got {self.max_tokens}.")
-        if self.min_tokens < 0:
-            raise bad(f"min_tokens must be non-negative, got {self.min_tokens}.")
+        if not isinstance(self.n, int):
+            raise bad(f"n must be an integer, got {self.n!r}.")
+        for name, allowed in RANGES.items():
+            value = getattr(self, name)
+            if value is not None and value not in allowed:
+                raise bad(f"{name} must be {allowed}, got {value}.")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens}).")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None and not 0 <= value <= 20:
-                raise bad(f"{name} must be in [0, 20], got {value}.")
         if any(not s for s in self.stop):
             raise bad("stop strings must not be empty.")
-        if len(self.stop) > 16:
-            raise bad("at most 16 stop strings are allowed.")
-        if self.logit_bias:
-            for token, bias in self.logit_bias.items():
-                if not -100.0 <= bias <= 100.0:
-                    raise bad(f"logit_bias for token {token} must be in [-100, 100], got {bias}.")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise bad(f"at most {MAX_STOP_STRINGS} stop strings are allowed.")
+        for token, bias in (self.logit_bias or {}).items():
+            if bias not in LOGIT_BIAS:
+                raise bad(f"logit_bias for token {token} must be {LOGIT_BIAS}, got {bias}.")
         if self.truncate_prompt_tokens is not None and not (
             isinstance(self.truncate_prompt_tokens, int)
             and (self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1)

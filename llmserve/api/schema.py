@@ -32,7 +32,13 @@ from pydantic import (
 )
 
 from inference_engine.errors import InvalidRequestError
-from inference_engine.sampling_params import SamplingParams, StructuredOutputsParams
+from inference_engine.sampling_params import (
+    LOGIT_BIAS,
+    MAX_STOP_STRINGS,
+    RANGES,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from inference_engine.structured_outputs.grammars import check
 from inference_engine.tool_parsers import required_schema
 from llmserve import conf
@@ -42,7 +48,6 @@ log = logging.getLogger("llmserve.api")
 
 Kind = Literal["chat", "completion"]
 
-MAX_LOGPROBS = 20
 MAX_BEST_OF = 20
 _IGNORED = "x-llmserve-ignored"
 
@@ -117,8 +122,8 @@ def _stop_strings(value: str | list[str] | None) -> str | list[str] | None:
     strings = [value] if isinstance(value, str) else value or []
     if any(not s for s in strings):
         raise ValueError("stop strings must not be empty")
-    if len(strings) > 16:
-        raise ValueError("at most 16 stop strings are allowed")
+    if len(strings) > MAX_STOP_STRINGS:
+        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
     return value
 
 
@@ -127,8 +132,8 @@ def _token_biases(value: dict[str, Any] | None) -> dict[str, Any] | None:
     for token, bias in (value or {}).items():
         if not token.isdigit():
             raise ValueError(f"keys must be token ids, got {token!r}")
-        if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100 <= bias <= 100:
-            raise ValueError(f"biases must be numbers in [-100, 100], got {bias!r} for token {token}")
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or bias not in LOGIT_BIAS:
+            raise ValueError(f"biases must be numbers {LOGIT_BIAS}, got {bias!r} for token {token}")
     return value
 
 
@@ -139,7 +144,14 @@ LogitBias = Annotated[
     AfterValidator(_token_biases),
     Field(json_schema_extra={"additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}}),
 ]
-Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+
+
+def bounded(kind: type, name: str) -> Any:
+    """A number type with `SamplingParams`' bounds for the option `name` (`RANGES`: one definition)."""
+    return Annotated[kind, Field(**RANGES[name].field())]
+
+
+Logprobs = bounded(int, "logprobs")
 RequestId = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
 Metadata = Annotated[dict[str, str], Field(max_length=16)]
 
@@ -199,19 +211,19 @@ class SamplingFields(RequestModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     stop: Stop = None
-    n: Annotated[int, Field(ge=1, le=128)] | None = None
-    temperature: Annotated[float, Field(ge=0)] | None = None
-    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
-    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
-    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
-    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0, le=2)] | None = None
+    n: bounded(int, "n") | None = None
+    temperature: bounded(float, "temperature") | None = None
+    top_p: bounded(float, "top_p") | None = None
+    top_k: bounded(int, "top_k") | None = None
+    min_p: bounded(float, "min_p") | None = None
+    presence_penalty: bounded(float, "presence_penalty") | None = None
+    frequency_penalty: bounded(float, "frequency_penalty") | None = None
+    repetition_penalty: bounded(float, "repetition_penalty") | None = None
     seed: int | None = None
-    max_tokens: Annotated[int, Field(ge=1)] | None = Field(
+    max_tokens: bounded(int, "max_tokens") | None = Field(
         None, description="Default: the rest of the model's context."
     )
-    min_tokens: Annotated[int, Field(ge=0)] | None = None
+    min_tokens: bounded(int, "min_tokens") | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     include_stop_str_in_output: bool | None = None
