@@ -177,8 +177,8 @@ def native_query_max(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtyp
 
 def longest_faster(native: Callable[[int], float], sdpa: Callable[[int], float]) -> int:
     """The last calibration length, going up, at which `native` still takes less time than `sdpa`; every
-    length where it is faster at all of them (both grow quadratically from there: the extend kernel on an
-    AVX512-BF16 EPYC, 2,048 tokens, 23 ms against SDPA's 43)."""
+    length where it is faster at all of them (both grow quadratically from there; a measured case:
+    benchmarks/results/kernel-and-runner-timings.md)."""
     best = NATIVE_QUERY_MIN
     for n in _CALIBRATION_LENGTHS:
         if native(n) >= sdpa(n):

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmserve_kernels.cpu import huge_pages
+from llmserve_kernels.cpu import huge_pages, linear_pack, linear_tuning, plan_cache
 from llmserve_kernels.cpu import linear as cpu_linear
 from llmserve_kernels.cpu._build import available, function, i32
 from llmserve_kernels.quantized import Int4Weight, Int8Weight
@@ -208,7 +208,7 @@ def fresh_amx_rows():
 def test_amx_takes_every_step_or_none_of_up_to_20_rows(monkeypatch, fresh_amx_rows, vector_rows, amx_rows):
     """The timed choice maps to AMX from the first row or from the 21st, never in between, where a row's bits
     would change with the rows sharing its step."""
-    monkeypatch.setattr(cpu_linear, "_remembered", lambda key, time_it: cpu_linear._Plan(vector_rows, True))
+    monkeypatch.setattr(linear_pack, "remembered", lambda key, time_it: plan_cache.Plan(vector_rows, True))
     assert fresh_amx_rows() == amx_rows
 
 
@@ -225,9 +225,9 @@ def test_amx_takes_every_step_where_one_and_four_rows_cost_it_no_more(
     monkeypatch, fresh_amx_rows, times, amx_rows
 ):
     """The choice weighs a step of one row and one of four together (vdpbf16ps' times, then AMX's)."""
-    monkeypatch.setattr(cpu_linear, "native_amx", lambda: True)
-    monkeypatch.setattr(cpu_linear, "_remembered", lambda key, time_it: time_it())
-    monkeypatch.setattr(cpu_linear, "interleaved_best", lambda fns: list(times))
+    monkeypatch.setattr(linear_pack, "native_amx", lambda: True)
+    monkeypatch.setattr(linear_pack, "remembered", lambda key, time_it: time_it())
+    monkeypatch.setattr(linear_pack, "interleaved_best", lambda fns: list(times))
     assert fresh_amx_rows() == amx_rows
 
 
@@ -248,11 +248,11 @@ def test_dense_weights_serve_every_step_the_native_decoder_takes(monkeypatch, ge
     serves whatever the timing: a layer that left such a step to oneDNN would send it through the
     layer-by-layer path instead of the native decoder."""
 
-    def onednn_faster_above_floor(*args, floor: int = 0, **kwargs) -> cpu_linear._Plan:
-        return cpu_linear._Plan(floor, keep_other=True)
+    def onednn_faster_above_floor(*args, floor: int = 0, **kwargs) -> plan_cache.Plan:
+        return plan_cache.Plan(floor, keep_other=True)
 
-    monkeypatch.setattr(cpu_linear, "_remembered", lambda key, time_it: time_it())
-    monkeypatch.setattr(cpu_linear, "_timed_plan", onednn_faster_above_floor)
+    monkeypatch.setattr(cpu_linear, "remembered", lambda key, time_it: time_it())
+    monkeypatch.setattr(cpu_linear, "timed_plan", onednn_faster_above_floor)
     cpu_linear._dense_plan_on.cache_clear()
     try:
         packed = cpu_linear.pack(rand(gen, 576, 1536), BF16)
@@ -423,7 +423,7 @@ def test_the_fastest_prefetch_distance_is_set(gen, fastest, prefetch_distance, m
     get, set_distance = prefetch_distance
     monkeypatch.setattr(_Paced, "fastest", fastest)
     paced = _Paced(int4_weight(64, 64, 32, gen))
-    quantized = cpu_linear.PackedLinear(64, 64, paced, paced, cpu_linear._ALL, None, ())
+    quantized = cpu_linear.PackedLinear(64, 64, paced, paced, linear_tuning.ALL, None, ())
     set_distance(7)
     timings = cpu_linear.time_quant_prefetch([cpu_linear.pack(rand(gen, 64, 64), BF16), quantized], rounds=2)
     assert list(timings) == list(cpu_linear.QUANT_PREFETCH_BYTES)
@@ -560,7 +560,7 @@ def test_embedding_rows_are_exact(gen, make, dtype):
 def test_bf16_rows_come_from_the_packed_tiles_alone(gen):
     weight = rand(gen, 1000, 64)
     packed = cpu_linear.pack(weight, BF16, keep_rows=True)
-    if packed.small_rows != cpu_linear._ALL:
+    if packed.small_rows != linear_tuning.ALL:
         pytest.skip("oneDNN runs many rows on this CPU, so pack keeps its copy too")
     assert packed.resident == (packed.small.tiles,)
     assert packed.nbytes == 1024 * 64 * 2  # 1000 rows padded to whole tiles of 32
@@ -617,7 +617,7 @@ def test_the_routine_is_chosen_when_packing_not_per_call(gen, monkeypatch):
     def no_timing(*args, **kwargs):
         raise AssertionError("linear() timed a routine")
 
-    monkeypatch.setattr(cpu_linear, "best_time", no_timing)
+    monkeypatch.setattr(linear_pack, "best_time", no_timing)
     for rows in ROWS:
         cpu_linear.linear(rand(gen, rows, 64), packed)
         cpu_linear.linear(rand(gen, rows, 64), quantized)
@@ -668,19 +668,19 @@ def test_without_native_kernels_everything_runs_in_pytorch():
 
 def test_plans_are_timed_once_per_machine(tmp_path, monkeypatch):
     """A plan is kept beside the built kernels, so a later engine start reads it instead of timing."""
-    monkeypatch.setattr(cpu_linear, "library_path", lambda: tmp_path / "llmserve-cpu-key.so")
+    monkeypatch.setattr(plan_cache, "library_path", lambda: tmp_path / "llmserve-cpu-key.so")
     timings = []
 
     def time_it():
         timings.append(1)
-        return cpu_linear._Plan(cpu_linear._ALL if len(timings) == 1 else 3, keep_other=False)
+        return plan_cache.Plan(linear_tuning.ALL if len(timings) == 1 else 3, keep_other=False)
 
-    first = cpu_linear._remembered("bf16 [8, 8]", time_it)
-    assert cpu_linear._remembered("bf16 [8, 8]", time_it) == first and len(timings) == 1
-    assert first.native_rows == cpu_linear._ALL  # infinity survives the file
-    assert cpu_linear._remembered("bf16 [8, 16]", time_it).native_rows == 3 and len(timings) == 2
+    first = plan_cache.remembered("bf16 [8, 8]", time_it)
+    assert plan_cache.remembered("bf16 [8, 8]", time_it) == first and len(timings) == 1
+    assert first.native_rows == linear_tuning.ALL  # infinity survives the file
+    assert plan_cache.remembered("bf16 [8, 16]", time_it).native_rows == 3 and len(timings) == 2
     (tmp_path / "llmserve-cpu-key.plans.json").write_text("{not json")  # a damaged file is timed again
-    assert cpu_linear._remembered("bf16 [8, 8]", time_it).native_rows == 3 and len(timings) == 3
+    assert plan_cache.remembered("bf16 [8, 8]", time_it).native_rows == 3 and len(timings) == 3
 
 
 @pytest.mark.parametrize(
@@ -691,9 +691,9 @@ def test_plans_are_timed_once_per_machine(tmp_path, monkeypatch):
         (lambda rows: rows < 8 or 21 <= rows <= 32, 0, 6),  # without a floor the halving never sees 21-32
         (lambda rows: rows <= 12, 20, 20),  # loses at every row count above the floor
         (lambda rows: rows <= 100, 0, 64),
-        (lambda rows: True, 20, cpu_linear._ALL),
+        (lambda rows: True, 20, linear_tuning.ALL),
         (lambda rows: rows <= 300, 256, 256),  # a floor at the largest candidate: oneDNN above it
-        (lambda rows: True, 256, cpu_linear._ALL),
+        (lambda rows: True, 256, linear_tuning.ALL),
     ],
 )
 def test_the_plan_looks_for_the_crossover_above_the_rows_the_kernel_serves_anyway(wins, floor, expected):
@@ -703,7 +703,7 @@ def test_the_plan_looks_for_the_crossover_above_the_rows_the_kernel_serves_anywa
         asked.append(rows)
         return wins(rows)
 
-    plan = cpu_linear._search(native_faster, other_costs_memory=True, floor=floor)
+    plan = linear_tuning.search(native_faster, other_costs_memory=True, floor=floor)
     assert plan.native_rows == expected
-    assert plan.keep_other == (expected != cpu_linear._ALL)
+    assert plan.keep_other == (expected != linear_tuning.ALL)
     assert all(rows > floor for rows in asked)

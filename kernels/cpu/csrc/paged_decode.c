@@ -223,9 +223,8 @@ static inline __attribute__((always_inline)) void attend_block(const uint16_t *q
 
 /* The KV heads [h0, h0 + nh) of one sequence, block by block from the one holding key `from`: every block is read
  * from memory once, all of the task's heads in turn, while the next two stream in. Measured faster than walking
- * one head through the whole context and then the next (AVX512-BF16 EPYC, batch 26, 30 layers' caches: 7.7 ms a
- * step against 9.5 with blocks in order, 11.4 against 12.5 in random order). q: the sequence's query rows; out:
- * nh * G rows of D fp32. */
+ * one head through the whole context and then the next (benchmarks/results/kernel-and-runner-timings.md).
+ * q: the sequence's query rows; out: nh * G rows of D fp32. */
 static inline __attribute__((always_inline)) void attend_avx512(const uint16_t *q, const int G, const int D,
                                                                 int h0, int nh, int from, int len,
                                                                 int block_size, int row_stride,
@@ -246,9 +245,8 @@ static inline __attribute__((always_inline)) void attend_avx512(const uint16_t *
         /* Blocks lie anywhere in memory, which the hardware prefetchers do not follow: while this block
          * is computed, its heads ask for the next block into L1 and the one after into L2, a few rows
          * at a time (see attend_block). Asked for all at once at the start of each block, the requests
-         * outnumbered the core's line fill buffers and the computation waited on them: batch 26,
-         * contexts 450, 30 layers' caches in random block order on a 2-core Xeon with AMX, 20.3-21.0 ms
-         * a step against 17.3-17.9 spread out. */
+         * outnumbered the core's line fill buffers and the computation waited on them (timings:
+         * benchmarks/results/kernel-and-runner-timings.md). */
         long next = j + 1 < blocks ? (long)table[j + 1] * block_size * row_stride : -1;
         long after = j + 2 < blocks ? (long)table[j + 2] * block_size * row_stride : -1;
         int n = len - j * block_size < block_size ? len - j * block_size : block_size;
