@@ -26,8 +26,9 @@ from inference_engine.config import EngineConfig
 from inference_engine.detokenizer import IncrementalDetokenizer
 from inference_engine.errors import EngineError, EngineOverloadedError, InvalidRequestError
 from inference_engine.model_loader import load_configured_model
-from inference_engine.model_runner import ModelRunner, StepOutput
+from inference_engine.model_runner import StepOutput
 from inference_engine.outputs import CompletionOutput, Logprob, RequestOutput
+from inference_engine.runners import make_runner
 from inference_engine.sampler import Sampler, SampleResult, TokenBitmask
 from inference_engine.sampling_params import SamplingParams
 from inference_engine.scheduler import Scheduler, SchedulerOutput
@@ -50,7 +51,7 @@ class LLMEngine:
         check_tensor_parallel(loaded.config, config.tensor_parallel_size)
         self.workers = TPWorkers(config) if config.tensor_parallel_size > 1 else None
         try:
-            self.runner = ModelRunner(config, loaded, self.workers)
+            self.runner = make_runner(config, loaded, self.workers)
         except BaseException:
             self.shutdown()
             raise

@@ -8,6 +8,7 @@ import pytest
 
 from inference_engine import LLM
 from inference_engine.cuda_graphs import GraphRunner, batch_sizes
+from inference_engine.cuda_runner import CUDARunner
 
 from .conftest import PROMPTS, assert_all_blocks_free, greedy
 
@@ -20,7 +21,8 @@ def test_captured_sizes():
 
 @pytest.fixture
 def graphed(monkeypatch):
-    """An engine whose decode steps go through a GraphRunner in eager mode, and the sizes it ran."""
+    """An engine whose decode steps go through a GraphRunner in eager mode, as `CUDARunner` runs them, and
+    the sizes it ran."""
     llm = LLM(dtype="float32", max_num_seqs=6, kv_cache_memory_bytes=64 * 2**20)
     runner, bm = llm.llm_engine.runner, llm.llm_engine.block_manager
     pad_block = bm._take()  # reserved, as the runner reserves one beyond the manager's blocks on CUDA
@@ -43,6 +45,7 @@ def graphed(monkeypatch):
 
     monkeypatch.setattr(graphs, "run", observed)
     runner.graphs = graphs
+    monkeypatch.setattr(runner, "_forward", CUDARunner._forward.__get__(runner))
     yield llm, sizes, pad_block
     bm.ref_counts[pad_block] = 0
     bm.free[pad_block] = None

@@ -10,15 +10,15 @@ import pytest
 import torch
 
 from inference_engine.config import EngineConfig
-from inference_engine.model_runner import ModelRunner
+from inference_engine.cuda_runner import CUDARunner
 
 GiB = 2**30
 
 
-def _runner(monkeypatch, *, utilization, before, peak, activations, free, total=100 * GiB) -> ModelRunner:
+def _runner(monkeypatch, *, utilization, before, peak, activations, free, total=100 * GiB) -> CUDARunner:
     """A runner whose process held `before` bytes when it started, `peak` at its profiling step's peak
     (`activations` of them the step's own), on a device of `total` bytes with `free` free afterwards."""
-    runner = object.__new__(ModelRunner)
+    runner = object.__new__(CUDARunner)
     runner.config = EngineConfig(gpu_memory_utilization=utilization)
     runner.device = torch.device("cuda", 0)
     runner._allocated_before = before
@@ -29,7 +29,7 @@ def _runner(monkeypatch, *, utilization, before, peak, activations, free, total=
 
 def test_an_engine_alone_gets_its_share_less_its_weights_and_activations(monkeypatch):
     runner = _runner(monkeypatch, utilization=0.9, before=0, peak=6 * GiB, activations=2 * GiB, free=93 * GiB)
-    assert runner._cuda_kv_budget() == 90 * GiB - 6 * GiB
+    assert runner._kv_budget() == 90 * GiB - 6 * GiB
 
 
 def test_a_second_engine_in_the_process_is_not_charged_for_the_first(monkeypatch, caplog):
@@ -38,7 +38,7 @@ def test_a_second_engine_in_the_process_is_not_charged_for_the_first(monkeypatch
         monkeypatch, utilization=0.4, before=40 * GiB, peak=44 * GiB, activations=1 * GiB, free=57 * GiB
     )
     with caplog.at_level(logging.WARNING):
-        assert runner._cuda_kv_budget() == 40 * GiB - 4 * GiB
+        assert runner._kv_budget() == 40 * GiB - 4 * GiB
     assert not caplog.records
 
 
@@ -49,5 +49,5 @@ def test_the_cache_takes_only_what_is_free_and_says_so(monkeypatch, caplog, util
         monkeypatch, utilization=utilization, before=0, peak=5 * GiB, activations=2 * GiB, free=67 * GiB
     )
     with caplog.at_level(logging.WARNING):
-        assert runner._cuda_kv_budget() == 67 * GiB - 2 * GiB
+        assert runner._kv_budget() == 67 * GiB - 2 * GiB
     assert "only 65.00 GiB are free" in caplog.text

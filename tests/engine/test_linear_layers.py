@@ -125,9 +125,9 @@ def test_lm_head_equals_plain_and_a_tied_embedding_still_looks_up(tied, rows, qu
 
 def test_runner_times_the_prompt_attention_path_at_start_up(monkeypatch):
     """Timed while the engine starts, with the model's head shapes, not in the first long prompt's step."""
-    from inference_engine import LLM, model_runner
+    from inference_engine import LLM, cpu_runner
 
     calls = []
-    monkeypatch.setattr(model_runner, "native_query_max", lambda *shape: calls.append(shape) or 32)
+    monkeypatch.setattr(cpu_runner, "native_query_max", lambda *shape: calls.append(shape) or 32)
     LLM(dtype="bfloat16", kv_cache_memory_bytes=1 << 24)
     assert calls == [(9, 3, 64, torch.bfloat16, torch.get_num_threads())]

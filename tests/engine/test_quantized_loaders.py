@@ -85,7 +85,7 @@ def test_a_quantized_model_sets_its_kernels_prefetch_distance_when_it_loads(capl
     before = get()
     try:
         set_distance(7)
-        with caplog.at_level(logging.INFO, logger="inference_engine.model_runner"):
+        with caplog.at_level(logging.INFO, logger="inference_engine.cpu_runner"):
             LLM(dtype="bfloat16", kv_cache_memory_bytes=1 << 26)
         assert get() in QUANT_PREFETCH_BYTES
         assert f"quantized kernel prefetches {get()} bytes ahead" in caplog.text
