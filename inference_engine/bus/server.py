@@ -69,7 +69,7 @@ class ServeSettings:
 
 def first_token_pause_for(threads: int, cpus: int) -> float:
     """The pause `serve` gives a CPU engine whose `threads` take all `cpus` it may run on: long enough for the
-    web process and Redis to deliver a first token to the client (measured: benchmarks/results/bus_server.md).
+    web process and Redis to deliver a first token to the client (benchmarks/results/bus-server-timings.md).
 
     Without it the next step starts at once on every core, and they wait for the scheduler to give them one
     back. The pause costs the other running requests its length once per new request. With a core to spare
@@ -511,7 +511,7 @@ class EngineServer:
             for rid, message in self._writes:
                 pipe.xadd(self.keys.output(rid), P.encode(message))
             # Not on every delta: with dozens of streams that doubled the commands of each step (throughput:
-            # benchmarks/results/bus_server.md).
+            # benchmarks/results/bus-server-timings.md).
             for rid in {rid for rid, _ in self._writes}:
                 running = rid in self._live
                 if not running or now - self._expire_set.get(rid, -ttl) >= ttl / 4:
