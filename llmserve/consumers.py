@@ -50,7 +50,7 @@ from inference_engine.bus.protocol import RequestDelta
 from inference_engine.errors import EngineError
 from llmserve import bus, conf
 from llmserve.api import errors, generation, schema
-from llmserve.api.models import _served
+from llmserve.api.models import served_models
 from llmserve.auth import (
     AuthenticationFailed,
     Principal,
@@ -345,7 +345,7 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
 
     async def _models(self) -> list[dict[str, Any]]:
         try:
-            served = await _served()
+            served = await served_models()
         except EngineError as exc:
             raise ChatError.from_api(errors.from_engine_error(exc)) from None
         return [{"id": name, "max_model_len": info.max_model_len} for name, info in served.items()]

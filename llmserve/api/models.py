@@ -27,7 +27,7 @@ def _model_object(info: ModelInfo) -> dict[str, Any]:
     }
 
 
-async def _served() -> dict[str, ModelInfo]:
+async def served_models() -> dict[str, ModelInfo]:
     live = {m.name: m for m in await bus.async_client().list_models()}
     disabled = {
         name
@@ -40,13 +40,13 @@ async def _served() -> dict[str, ModelInfo]:
 
 @api_view(("GET",))
 async def model_list(request: HttpRequest, principal: Principal) -> HttpResponse:
-    served = await _served()
+    served = await served_models()
     return JsonResponse({"object": "list", "data": [_model_object(m) for m in served.values()]})
 
 
 @api_view(("GET",))
 async def model_detail(request: HttpRequest, principal: Principal, model_id: str) -> HttpResponse:
-    served = await _served()
+    served = await served_models()
     if model_id in served:
         return JsonResponse(_model_object(served[model_id]))
     configured = await ModelConfig.objects.filter(name=model_id, enabled=True).aexists()

@@ -12,7 +12,7 @@ from inference_engine.errors import ModelNotFoundError
 from llmserve import bus, conf
 from llmserve.api import errors, schema
 from llmserve.api.decorators import api_view
-from llmserve.api.models import _served
+from llmserve.api.models import served_models
 from llmserve.auth import Principal
 from llmserve.models import ModelConfig
 
@@ -20,7 +20,7 @@ from llmserve.models import ModelConfig
 async def _model(name: str | None) -> str:
     if name is not None:
         return name
-    served = list(await _served())
+    served = list(await served_models())
     if len(served) != 1:
         raise errors.BadRequest(
             f"`model` is required: {len(served)} models are served, not one.",
