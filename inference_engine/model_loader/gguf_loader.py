@@ -40,7 +40,13 @@ SUPPORTED_ARCHITECTURES = {
     "olmo2": "Olmo2ForCausalLM",
     "granite": "GraniteForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
+# llama.cpp writes Mixtral as `llama` with experts. Whether the top-k routing weights are renormalised is
+# not in the file: llama.cpp fixes it per architecture, and so is it read here.
+_MOE_RENORMALISED = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False}
 # Architectures whose Q/K rows llama.cpp's converter reorders for its interleaved rotation (its LlamaModel
 # and the classes built on it); the others rotate halves as transformers does and are stored as they are.
 _PERMUTED = {"llama", "granite"}
@@ -80,6 +86,11 @@ _KNOWN_KEYS = {
     "embedding_scale",
     "residual_scale",
     "logit_scale",
+    "expert_count",
+    "expert_used_count",
+    "expert_feed_forward_length",
+    "expert_shared_feed_forward_length",
+    "expert_gating_func",
 }
 _ROPE_SCALING = ("none", "linear", "yarn")
 
@@ -103,7 +114,21 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
+# The stacked experts [E, rows, cols] of one projection, given back as each expert's tensor.
+_STACKED_EXPERTS = (
+    ".mlp.experts.gate_proj.weight",
+    ".mlp.experts.up_proj.weight",
+    ".mlp.experts.down_proj.weight",
+)
 # Gemma's ffn_norm is the norm before its MLP; its post_attention_norm is the one after attention.
 _ARCH_LAYER_NAMES = {
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
@@ -199,6 +224,8 @@ def hf_config_dict(reader: gguf_file.GGUFFile, meta: dict) -> dict:
     elif get("rope.freq_base_swa") is not None:
         raise ValueError(f"GGUF {arch}: {prefix}rope.freq_base_swa is not supported.")
     raw["rope_parameters"] = rope
+    if get("expert_count"):
+        raw.update(_moe_config(arch, get, layers, tensors))
     raw["attn_logit_softcapping"] = get("attn_logit_softcapping")
     raw["final_logit_softcapping"] = get("final_logit_softcapping")
     if arch == "granite":
@@ -211,6 +238,28 @@ def hf_config_dict(reader: gguf_file.GGUFFile, meta: dict) -> dict:
             if get(key) is not None:
                 raise ValueError(f"GGUF {arch}: {prefix}{key} is not supported.")
     return raw
+
+
+def _moe_config(arch: str, get, layers: int, tensors: dict) -> dict:
+    """The mixture-of-experts fields of config.json; a layer without a router keeps a dense MLP."""
+    if arch not in _MOE_RENORMALISED:
+        raise ValueError(f"GGUF {arch}: experts are not supported for this architecture.")
+    if get("expert_gating_func", gguf.ExpertGatingFuncType.SOFTMAX) != gguf.ExpertGatingFuncType.SOFTMAX:
+        raise ValueError(
+            f"GGUF {arch}: {arch}.expert_gating_func {get('expert_gating_func')} is not supported."
+        )
+    moe = {
+        "num_experts": get("expert_count"),
+        "num_experts_per_tok": get("expert_used_count"),
+        "moe_intermediate_size": get("expert_feed_forward_length") or get("feed_forward_length"),
+        "norm_topk_prob": _MOE_RENORMALISED[arch],
+        "mlp_only_layers": [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensors],
+    }
+    if get("expert_shared_feed_forward_length"):
+        moe["shared_expert_intermediate_size"] = get("expert_shared_feed_forward_length")
+    if arch == "llama":
+        moe["architectures"] = ["MixtralForCausalLM"]
+    return moe
 
 
 def _rope_parameters(get, context: int, tensors: dict) -> dict:
@@ -299,7 +348,10 @@ def _weights(
         name = _hf_name(tensor.name, arch)
         if name is None:
             continue
-        weight = _tensor(tensor, keep_quantized and name.endswith(".weight"))
+        stacked = name.endswith(_STACKED_EXPERTS)
+        if stacked and keep_quantized and tensor.tensor_type not in DENSE_TYPES:
+            logger.info("%s: quantized experts are not supported yet: dequantized to dense", tensor.name)
+        weight = _tensor(tensor, keep_quantized and name.endswith(".weight") and not stacked)
         if arch in _OFFSET_NORMS and name.endswith("norm.weight"):
             weight = weight - 1.0  # the model adds it back (exactly, for sums of at least 0.5)
         heads = None
@@ -313,7 +365,11 @@ def _weights(
                 weight = weight[torch.from_numpy(order)]
             else:
                 weight = gguf_quant.permute_rows(weight, order)
-        if ".qkv_proj." in name or ".gate_up_proj." in name:
+        if stacked:
+            prefix, projection, _ = name.rsplit(".", 2)
+            for expert, part in enumerate(weight):
+                yield f"{prefix}.{expert}.{projection}.weight", part
+        elif ".qkv_proj." in name or ".gate_up_proj." in name:
             yield from _split_rows(name, weight, config)
         else:
             yield name, weight

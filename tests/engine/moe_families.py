@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -75,3 +78,67 @@ def hf_greedy(family: str, prompts: list[list[int]], max_tokens: int) -> list[tu
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     path = CACHE / f"moe-{family}-{_version('transformers')}-{MOE_VERSION}-greedy-{digest}.json"
     return [tuple(r) for r in cached_json(path, lambda: _hf_greedy(folder(family), prompts, max_tokens))]
+
+
+# The GGUF form, written by llama.cpp's converter (as `family_gguf` converts the dense families). Its `llama`
+# architecture (Mixtral's) stores no sliding window: the reference of that file is the checkpoint without one.
+GGUF_READING = {"mixtral": {"sliding_window": None}}
+
+
+def gguf_path(family: str, outtype: str) -> Path:
+    """The family's checkpoint converted to GGUF (`outtype` f32 or q8_0), once per machine."""
+    from .family_gguf import LLAMA_CPP_PYTHON
+
+    key = f"moe-{family}-{_version('transformers')}-{MOE_VERSION}-gguf-{LLAMA_CPP_PYTHON}"
+    return _cached(key, lambda f: _convert(family, f)) / f"{family}.{outtype}.gguf"
+
+
+def _convert(family: str, target: Path) -> None:
+    """Runs llama.cpp's converter on the checkpoint as `family_gguf` runs it on the dense families (its
+    tokenizer_config.json naming the class that takes tokenizer.json as it is)."""
+    from .family_gguf import OUTTYPES, converter
+
+    source, script = folder(family), converter() / "convert_hf_to_gguf.py"
+    staging = target / "staging"
+    staging.mkdir()
+    for item in source.iterdir():
+        if item.name != "tokenizer_config.json":
+            (staging / item.name).symlink_to(item)
+    tokenizer_config = json.loads((source / "tokenizer_config.json").read_text())
+    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    (staging / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    env = {**os.environ, "PYTHONPATH": str(script.parent / "gguf-py"), "HF_HUB_OFFLINE": "1"}
+    for outtype in OUTTYPES:
+        command = [
+            sys.executable,
+            str(script),
+            "--outtype",
+            outtype,
+            "--outfile",
+            str(target / f"{family}.{outtype}.gguf"),
+        ]
+        run = subprocess.run([*command, str(staging)], env=env, capture_output=True, text=True)
+        if run.returncode != 0:
+            raise RuntimeError(f"convert_hf_to_gguf.py failed on {family} ({outtype}):\n{run.stderr[-3000:]}")
+    shutil.rmtree(staging)
+
+
+def gguf_hf_greedy(
+    family: str, prompts: list[list[int]], max_tokens: int
+) -> list[tuple[list[int], list[float]]]:
+    """transformers' fp32 greedy tokens and margins for what the converted file keeps of its checkpoint."""
+    if family not in GGUF_READING:
+        return hf_greedy(family, prompts, max_tokens)
+    prefix = f"moe-{family}-{_version('transformers')}-{MOE_VERSION}-gguf-reading"
+
+    def build(target: Path) -> None:
+        source = folder(family)
+        for item in source.iterdir():
+            if item.name != "config.json":
+                (target / item.name).symlink_to(item)
+        config = {**json.loads((source / "config.json").read_text()), **GGUF_READING[family]}
+        (target / "config.json").write_text(json.dumps(config, indent=2))
+
+    digest = hashlib.sha256(json.dumps([prompts, max_tokens]).encode()).hexdigest()[:16]
+    compute = lambda: _hf_greedy(_cached(prefix, build), prompts, max_tokens)  # noqa: E731
+    return [tuple(r) for r in cached_json(CACHE / f"{prefix}-greedy-{digest}.json", compute)]

@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from inference_engine import LLM, SamplingParams
+from inference_engine.model_loader import load_model
 from inference_engine.models.moe import FusedExperts
 
 from . import moe_families
@@ -56,3 +58,48 @@ def test_bad_moe_config_is_refused_naming_the_field(tmp_path, change, field):
     (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
     with pytest.raises(ValueError, match=field):
         LLM(model=str(tmp_path), dtype="float32")
+
+
+# llama.cpp's converter maps no dense MLP in a Qwen2-MoE file (the tiny one has a dense layer).
+GGUF_FAMILIES = ("mixtral", "olmoe", "qwen3moe")
+
+
+@pytest.mark.parametrize("family", GGUF_FAMILIES)
+def test_moe_gguf_matches_transformers(family):
+    """The file llama.cpp's converter writes (stacked ffn_*_exps experts) gives transformers' tokens for
+    what it keeps of the checkpoint (f32; Mixtral's file keeps no window)."""
+    llm = LLM(model=str(moe_families.gguf_path(family, "f32")), dtype="float32", quantization="none", seed=0)
+    prompts = [llm.get_tokenizer().encode(text) for text in TEXTS]
+    references = moe_families.gguf_hf_greedy(family, prompts, MAX_TOKENS)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    mismatches, ties = compare([o.outputs[0].token_ids for o in outputs], references)
+    print(f"{family} GGUF f32: {len(prompts) - len(mismatches) - ties} equal, {ties} ties")
+    assert not mismatches, mismatches
+    assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("family", GGUF_FAMILIES)
+def test_moe_gguf_q8_0_matches_dequantized(family):
+    """The Q8_0 file with its attention kept quantized (experts dequantized at load) gives the tokens of the
+    same file dequantized, ties at margins below 1e-3 excused."""
+    path = str(moe_families.gguf_path(family, "q8_0"))
+    loaded = load_model(path)
+    weights = dict(loaded.weights)
+    assert loaded.quantization == "gguf"
+    assert not isinstance(weights["model.layers.0.self_attn.q_proj.weight"], torch.Tensor)
+    assert isinstance(weights["model.layers.0.mlp.experts.7.down_proj.weight"], torch.Tensor)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+    dense = LLM(model=path, dtype="float32", quantization="none", seed=0)
+    prompts = [{"prompt_token_ids": dense.get_tokenizer().encode(text)} for text in TEXTS]
+    references = []
+    for out in (o.outputs[0] for o in dense.generate(prompts, params, use_tqdm=False)):
+        margins = [sorted((lp.logprob for lp in step.values()), reverse=True) for step in out.logprobs]
+        references.append((out.token_ids, [m[0] - m[1] for m in margins]))
+    del dense
+    llm = LLM(model=path, dtype="float32", seed=0)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    mismatches, ties = compare([o.outputs[0].token_ids for o in outputs], references)
+    print(f"{family} GGUF Q8_0: {len(prompts) - len(mismatches) - ties} equal, {ties} ties")
+    assert not mismatches, mismatches
+    assert_all_blocks_free(llm)
