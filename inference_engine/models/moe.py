@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from inference_engine.distributed import tp_size
+from inference_engine.distributed import all_reduce, tp_rank, tp_size
 from inference_engine.layers.linear import Weight
 from inference_engine.model_loader.hf_config import MoEModelConfig
 from inference_engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
@@ -58,34 +58,44 @@ def fused_experts(
 class FusedExperts(nn.Module):
     """Every expert of a layer, stacked for the fused kernels: w13 [E, 2I, H] (gate rows then up rows) and
     w2 [E, H, I], filled expert by expert (or whole, from transformers 5's fused tensors) as the checkpoint
-    gives them."""
+    gives them. With tensor parallelism each rank holds its slice of every expert's intermediate features
+    (I / ranks, as a dense MLP is split) and the ranks' partial outputs are summed."""
 
     def __init__(self, num_experts: int, hidden: int, inter: int) -> None:
         super().__init__()
+        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        if inter % self.tp_size:
+            raise ValueError(f"the experts' width {inter} does not split over {self.tp_size} ranks")
+        inter //= self.tp_size
         self.w13 = torch.empty(num_experts, 2 * inter, hidden)  # default device and dtype: the model's
         self.w2 = torch.empty(num_experts, hidden, inter)
         self.loaded = torch.zeros(num_experts, 3, dtype=torch.bool)  # gate, up, down
 
     def load_expert(self, expert: int, projection: str, weight: Weight) -> None:
-        if not isinstance(weight, torch.Tensor):
-            raise ValueError("quantized expert weights are not supported: load the checkpoint dequantized")
-        inter = self.w2.shape[2]
-        if projection == "down_proj":
-            self.w2[expert].copy_(weight)
-        else:
-            rows = slice(0, inter) if projection == "gate_proj" else slice(inter, 2 * inter)
-            self.w13[expert, rows].copy_(weight)
+        self._load(projection, weight, expert)
         self.loaded[expert, ("gate_proj", "up_proj", "down_proj").index(projection)] = True
 
     def load_fused(self, projection: str, weight: Weight) -> None:
+        """transformers 5's [E, 2I, H] gate_up_proj or [E, H, I] down_proj."""
+        if projection == "down_proj":
+            self._load("down_proj", weight)
+        else:
+            half = weight.shape[1] // 2
+            self._load("gate_proj", weight[:, :half])
+            self._load("up_proj", weight[:, half:])
+        self.loaded[:, 2 if projection == "down_proj" else slice(0, 2)] = True
+
+    def _load(self, projection: str, weight: Weight, expert: int | None = None) -> None:
+        """This rank's slice of one projection of one expert (of every expert where `expert` is None)."""
         if not isinstance(weight, torch.Tensor):
             raise ValueError("quantized expert weights are not supported: load the checkpoint dequantized")
+        inter = self.w2.shape[2]
+        w13, w2 = (self.w13, self.w2) if expert is None else (self.w13[expert], self.w2[expert])
         if projection == "down_proj":
-            self.w2.copy_(weight)
-            self.loaded[:, 2] = True
+            w2.copy_(weight.narrow(-1, self.tp_rank * inter, inter))
         else:
-            self.w13.copy_(weight)
-            self.loaded[:, :2] = True
+            first = 0 if projection == "gate_proj" else inter
+            w13.narrow(-2, first, inter).copy_(weight.narrow(-2, self.tp_rank * inter, inter))
 
     def finalize(self) -> None:
         if not self.loaded.all():
@@ -97,7 +107,8 @@ class FusedExperts(nn.Module):
         return self.w13.nbytes + self.w2.nbytes
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return fused_experts(x, self.w13, self.w2, weights, ids)
+        out = fused_experts(x, self.w13, self.w2, weights, ids)
+        return all_reduce(out) if self.tp_size > 1 else out
 
 
 class SparseMoeBlock(nn.Module):
@@ -109,8 +120,6 @@ class SparseMoeBlock(nn.Module):
             raise ValueError(
                 f"experts with hidden_act {config.hidden_act!r} are not supported (supported: silu)."
             )
-        if tp_size() > 1:
-            raise ValueError("mixture-of-experts models do not support tensor parallelism yet")
         self.top_k, self.renormalize = config.num_experts_per_tok, config.norm_topk_prob
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
         self.experts = FusedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size)

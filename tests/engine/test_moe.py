@@ -41,6 +41,42 @@ def test_moe_family_matches_transformers(family):
     assert_all_blocks_free(llm)
 
 
+@pytest.mark.timeout(600)
+def test_moe_tensor_parallel_matches_transformers():
+    """Two ranks (gloo, one process each) split every expert's intermediate features, the shared expert and
+    the dense layer as dense MLPs are split: transformers' tokens still (Qwen2-MoE)."""
+    llm = LLM(model=str(moe_families.folder("qwen2moe")), dtype="float32", tensor_parallel_size=2, seed=0)
+    try:
+        assert llm.engine.runner.model.model.layers[0].mlp.experts.w2.shape[2] == 16  # 32 over 2 ranks
+        prompts = [llm.get_tokenizer().encode(text) for text in TEXTS]
+        references = moe_families.hf_greedy("qwen2moe", prompts, MAX_TOKENS)
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        mismatches, ties = compare([o.outputs[0].token_ids for o in outputs], references)
+        print(f"qwen2moe on 2 ranks: {len(prompts) - len(mismatches) - ties} equal, {ties} ties")
+        assert not mismatches, mismatches
+        assert_all_blocks_free(llm)
+    finally:
+        llm.engine.shutdown()
+
+
+def test_fused_expert_tensors_load_as_per_expert_ones():
+    """transformers 5's fused `experts.gate_up_proj` [E, 2I, H] / `experts.down_proj` [E, H, I] fill the
+    same stacks as per-expert gate/up/down tensors."""
+    gate, up, down = torch.randn(4, 6, 8), torch.randn(4, 6, 8), torch.randn(4, 8, 6)
+    per_expert, fused = FusedExperts(4, 8, 6), FusedExperts(4, 8, 6)
+    for e in range(4):
+        for projection, weight in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
+            per_expert.load_expert(e, projection, weight[e])
+    with pytest.raises(ValueError, match="missing weights of experts"):
+        fused.finalize()
+    fused.load_fused("gate_up_proj", torch.cat([gate, up], dim=1))
+    fused.load_fused("down_proj", down)
+    fused.finalize()
+    assert torch.equal(fused.w13, per_expert.w13) and torch.equal(fused.w2, per_expert.w2)
+    assert torch.equal(fused.w13[:, :6], gate)
+
+
 @pytest.mark.parametrize(
     ("change", "field"),
     [
