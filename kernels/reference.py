@@ -160,3 +160,22 @@ def fused_moe_ref(
         act = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
         out.index_add_(0, tokens, (act @ w2[e].float().T) * topk_weights[tokens, slot, None].float())
     return out.to(x.dtype)
+
+
+def lora_ref(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    slots: torch.Tensor,
+    scales: torch.Tensor,
+) -> torch.Tensor:
+    """Reference for the batched LoRA kernels (``cpu.lora.lora_add_``, ``triton.lora.lora_add_``): row t of
+    ``y`` gains ``scales[s] * (x[t] @ lora_a[s].T) @ lora_b[s].T`` where ``s = slots[t]``, nothing where
+    ``s`` is -1 (x [T, in], y [T, out], lora_a [S, R, in], lora_b [S, out, R], scales [S]). A slot of a
+    smaller rank holds zeros past it. fp32 inside, each updated row rounded once; ``y`` updated in place."""
+    for s in slots[slots >= 0].unique().tolist():
+        rows = torch.nonzero(slots == s, as_tuple=True)[0]
+        shrunk = (x[rows].float() @ lora_a[s].float().T) * scales[s].float()
+        y[rows] = (y[rows].float() + shrunk @ lora_b[s].float().T).to(y.dtype)
+    return y
