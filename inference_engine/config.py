@@ -62,6 +62,12 @@ class EngineConfig:
     # vLLM's --pooler-config: {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize", "dimensions"} (a dict
     # or a PoolerConfig); what it leaves out comes from the checkpoint (see `pooling`).
     pooler_config: dict | None = None
+    # LoRA adapters (vLLM's --enable-lora): adapters in device slots at once, their largest rank, and how many
+    # loaded adapters CPU memory keeps (None: max_loras).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     @property
     def distributed_init_method(self) -> str:
@@ -102,6 +108,10 @@ class EngineConfig:
             raise InvalidRequestError(
                 f"unknown tool_call_parser {self.tool_call_parser!r} (known: {', '.join(PARSERS)})."
             )
+        if self.enable_lora and (self.max_loras < 1 or self.max_lora_rank < 1):
+            raise InvalidRequestError("max_loras and max_lora_rank must be >= 1.")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise InvalidRequestError("LoRA adapters are not supported with tensor parallelism yet.")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise InvalidRequestError(
                 f"unknown reasoning_parser {self.reasoning_parser!r} (known: {', '.join(REASONING_PARSERS)})."
