@@ -11,12 +11,16 @@ formats (a GGUF file may store V in Q6_K beside Q and K in Q4_K) stay separate m
 from __future__ import annotations
 
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from inference_engine.distributed import all_reduce, tp_rank, tp_size
 from llmserve_kernels.quantized import Int4Weight, Int8Weight, QuantizedWeight
+
+if TYPE_CHECKING:
+    from inference_engine.lora.layers import LoRALayer
 
 Weight = torch.Tensor | QuantizedWeight
 
@@ -65,6 +69,9 @@ class LinearBase(nn.Module):
         self.packed: list = []
         self.device, self.dtype = torch.get_default_device(), torch.get_default_dtype()
         self.bias = nn.Parameter(torch.empty(bias_size), requires_grad=False) if bias_size else None
+        self.lora: LoRALayer | None = (
+            None  # set where the engine serves LoRA adapters (inference_engine/lora)
+        )
 
     def shard(self, weight: Weight, shard_id) -> Weight:
         """This rank's slice of one checkpoint tensor."""
@@ -94,9 +101,14 @@ class LinearBase(nn.Module):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if len(self.packed) == 1:
-            return self._kernels.linear(x, self.packed[0], bias)
-        out = torch.cat([self._kernels.linear(x, p) for p in self.packed], dim=-1)
-        return out + bias if bias is not None else out
+            out = self._kernels.linear(x, self.packed[0], bias)
+        else:
+            out = torch.cat([self._kernels.linear(x, p) for p in self.packed], dim=-1)
+            out = out + bias if bias is not None else out
+        # Each row's own adapter's low-rank update, after the base matmul (dense or quantized alike).
+        if self.lora is not None and self.lora.batch.slots is not None:
+            self.lora.apply(x, out)
+        return out
 
 
 def _to(weight: Weight, device: torch.device, dtype: torch.dtype) -> Weight:
