@@ -7,6 +7,7 @@ and the bus client from this package without pulling torch in.
 from importlib import import_module
 
 from inference_engine.config import EngineConfig
+from inference_engine.lora.request import LoRARequest
 from inference_engine.outputs import (
     CompletionOutput,
     EmbeddingOutput,
@@ -26,6 +27,7 @@ __all__ = [
     "EmbeddingRequestOutput",
     "EngineConfig",
     "LLMEngine",
+    "LoRARequest",
     "Logprob",
     "PoolerConfig",
     "PoolingParams",
