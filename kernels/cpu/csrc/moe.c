@@ -7,20 +7,60 @@
 
 #include "bf16.h"
 
-#define MOE_ROWS 16 /* weight rows per work item */
+#define MOE_ROWS 16        /* weight rows per work item */
+#define MOE_WIDEN_TOKENS 8 /* a bf16 block is widened to fp32 once for at least this many tokens */
 
-static float moe_dot_f32(const float *x, const void *w, int n) {
-    const float *v = w;
-    float s = 0.f;
-    for (int i = 0; i < n; i++) s += x[i] * v[i];
-    return s;
+
+/* out[p * ld + r] = x[p] . w[r] for `count` input rows x[p] and `rows` fp32 weight rows of length n: four
+ * input rows at a time share each weight row's loads (the block stays in L1/L2 while its tokens stream). */
+static void moe_block(const float *w, int rows, int n, const float **x, int count, float *out, long ld) {
+    int p = 0;
+    for (; p + 4 <= count; p += 4) {
+        const float *x0 = x[p], *x1 = x[p + 1], *x2 = x[p + 2], *x3 = x[p + 3];
+        for (int r = 0; r < rows; r++) {
+            const float *wr = w + (long)r * n;
+            float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+            for (int i = 0; i < n; i++) {
+                float v = wr[i];
+                s0 += x0[i] * v, s1 += x1[i] * v, s2 += x2[i] * v, s3 += x3[i] * v;
+            }
+            out[(long)p * ld + r] = s0, out[(long)(p + 1) * ld + r] = s1;
+            out[(long)(p + 2) * ld + r] = s2, out[(long)(p + 3) * ld + r] = s3;
+        }
+    }
+    for (; p < count; p++)
+        for (int r = 0; r < rows; r++) {
+            const float *wr = w + (long)r * n;
+            float s0 = 0.f;
+            for (int i = 0; i < n; i++) s0 += x[p][i] * wr[i];
+            out[(long)p * ld + r] = s0;
+        }
 }
 
-static float moe_dot_bf16(const float *x, const void *w, int n) {
-    const uint16_t *v = w;
-    float s = 0.f;
-    for (int i = 0; i < n; i++) s += x[i] * bf16_to_float(v[i]);
-    return s;
+/* out[p * ld + r] = x[p] . w[r] for `rows` rows of a bf16 or fp32 weight (row length n). A bf16 block that
+ * serves MOE_WIDEN_TOKENS tokens or more is widened to fp32 in `scratch` (rows * n floats) first; fewer tokens
+ * read it as it is (a decode step reads each weight once). Returns -1 without memory for the scratch. */
+static int moe_project(const char *w, int bf16, int rows, int n, const float **x, int count, float *out, long ld) {
+    if (!bf16) {
+        moe_block((const float *)w, rows, n, x, count, out, ld);
+        return 0;
+    }
+    const uint16_t *v = (const uint16_t *)w;
+    if (count < MOE_WIDEN_TOKENS) {
+        for (int p = 0; p < count; p++)
+            for (int r = 0; r < rows; r++) {
+                float s = 0.f;
+                for (int i = 0; i < n; i++) s += x[p][i] * bf16_to_float(v[(long)r * n + i]);
+                out[(long)p * ld + r] = s;
+            }
+        return 0;
+    }
+    float *wide = malloc(sizeof(float) * rows * n);
+    if (!wide) return -1;
+    for (long i = 0; i < (long)rows * n; i++) wide[i] = bf16_to_float(v[i]);
+    moe_block(wide, rows, n, x, count, out, ld);
+    free(wide);
+    return 0;
 }
 
 static inline float moe_silu(float x) {
@@ -47,7 +87,6 @@ int moe_forward(const void *x, const void *w13, const void *w2, const int32_t *i
     long pairs = (long)tokens * top_k;
     int rows_max = (inter > hidden ? inter : hidden) + MOE_ROWS;
     size_t elem = bf16 ? 2 : 4;
-    float (*dot)(const float *, const void *, int) = bf16 ? moe_dot_bf16 : moe_dot_f32;
     int *start = calloc(experts + 1, sizeof(int)), *next = malloc(sizeof(int) * experts);
     int *order = malloc(sizeof(int) * pairs), *slot = malloc(sizeof(int) * pairs);
     int *item_expert = malloc(sizeof(int) * experts * (rows_max / MOE_ROWS));
@@ -71,31 +110,46 @@ int moe_forward(const void *x, const void *w13, const void *w2, const int32_t *i
             xf[(long)t * hidden + h] = bf16 ? bf16_to_float(((const uint16_t *)x)[(long)t * hidden + h])
                                             : ((const float *)x)[(long)t * hidden + h];
 
-    int items = moe_items(start, experts, inter, item_expert, item_row);
-#pragma omp parallel for schedule(dynamic) num_threads(num_threads)
+    int items = moe_items(start, experts, inter, item_expert, item_row), failed = 0;
+#pragma omp parallel for schedule(dynamic) num_threads(num_threads) reduction(| : failed)
     for (int it = 0; it < items; it++) {
-        int e = item_expert[it], r0 = item_row[it], r1 = r0 + MOE_ROWS < inter ? r0 + MOE_ROWS : inter;
-        const char *gate = (const char *)w13 + (size_t)e * 2 * inter * hidden * elem;
-        const char *up = gate + (size_t)inter * hidden * elem;
-        for (int s = start[e]; s < start[e + 1]; s++) {
-            const float *xr = xf + (long)(order[s] / top_k) * hidden;
-            for (int r = r0; r < r1; r++) {
-                float g = dot(xr, gate + (size_t)r * hidden * elem, hidden);
-                float u = dot(xr, up + (size_t)r * hidden * elem, hidden);
-                act[(long)s * inter + r] = moe_silu(g) * u;
-            }
+        int e = item_expert[it], r0 = item_row[it], rows = r0 + MOE_ROWS < inter ? MOE_ROWS : inter - r0;
+        int count = start[e + 1] - start[e];
+        float *gu = malloc(sizeof(float) * count * 2 * rows); /* each token's gate outputs, then up's */
+        const float **x = malloc(sizeof(float *) * count);
+        if (gu && x) {
+            const char *gate = (const char *)w13 + ((size_t)e * 2 * inter + r0) * hidden * elem;
+            const char *up = gate + (size_t)inter * hidden * elem;
+            for (int c = 0; c < count; c++) x[c] = xf + (long)(order[start[e] + c] / top_k) * hidden;
+            if (moe_project(gate, bf16, rows, hidden, x, count, gu, 2 * rows) ||
+                moe_project(up, bf16, rows, hidden, x, count, gu + rows, 2 * rows))
+                failed = 1;
+            for (int c = 0; c < count && !failed; c++)
+                for (int r = 0; r < rows; r++)
+                    act[(long)(start[e] + c) * inter + r0 + r] =
+                        moe_silu(gu[(long)c * 2 * rows + r]) * gu[(long)c * 2 * rows + rows + r];
+        } else {
+            failed = 1;
         }
+        free(gu), free(x);
     }
 
-    items = moe_items(start, experts, hidden, item_expert, item_row);
-#pragma omp parallel for schedule(dynamic) num_threads(num_threads)
+    items = failed ? 0 : moe_items(start, experts, hidden, item_expert, item_row);
+#pragma omp parallel for schedule(dynamic) num_threads(num_threads) reduction(| : failed)
     for (int it = 0; it < items; it++) {
-        int e = item_expert[it], r0 = item_row[it], r1 = r0 + MOE_ROWS < hidden ? r0 + MOE_ROWS : hidden;
-        const char *down = (const char *)w2 + (size_t)e * hidden * inter * elem;
-        for (int s = start[e]; s < start[e + 1]; s++)
-            for (int r = r0; r < r1; r++)
-                y[(long)s * hidden + r] = dot(act + (long)s * inter, down + (size_t)r * inter * elem, inter);
+        int e = item_expert[it], r0 = item_row[it], rows = r0 + MOE_ROWS < hidden ? MOE_ROWS : hidden - r0;
+        int count = start[e + 1] - start[e];
+        const float **x = malloc(sizeof(float *) * count);
+        const char *down = (const char *)w2 + ((size_t)e * hidden + r0) * inter * elem;
+        if (x) {
+            for (int c = 0; c < count; c++) x[c] = act + (long)(start[e] + c) * inter;
+            failed |= moe_project(down, bf16, rows, inter, x, count, y + (long)start[e] * hidden + r0, hidden) != 0;
+        } else {
+            failed = 1;
+        }
+        free(x);
     }
+    if (failed) goto done;
 
 #pragma omp parallel for num_threads(num_threads)
     for (int t = 0; t < tokens; t++) {
