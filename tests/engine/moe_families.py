@@ -43,6 +43,11 @@ FAMILIES = {
             num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=80, mlp_only_layers=[1]
         ),
     ),
+    # Qwen2-MoE without a dense layer: the form llama.cpp's converter writes (GGUF tests only).
+    "qwen2moe-sparse": (
+        "Qwen2MoeConfig",
+        dict(num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=80),
+    ),
     "qwen3moe": ("Qwen3MoeConfig", dict(num_experts=8, moe_intermediate_size=32, norm_topk_prob=True)),
     "olmoe": ("OlmoeConfig", dict(num_experts=8)),
 }
