@@ -103,7 +103,7 @@ def embedding(ids: torch.Tensor, packed: PackedLinear, dtype: torch.dtype) -> to
 
 def _dense_plan(n: int, k: int) -> Plan:
     """Native bf16 kernel or oneDNN, timed once per machine, weight shape and thread count (see
-    `_timed_plan`) on a random weight."""
+    `linear_tuning.timed_plan`) on a random weight."""
     return _dense_plan_on(n, k, torch.get_num_threads())
 
 
