@@ -1,5 +1,6 @@
 """The fused mixture-of-experts MLP on the CPU (`csrc/moe.c`): the step's tokens grouped by expert, each
-chosen expert's gate/up and down run once over its group, bf16 or fp32 weights."""
+chosen expert's gate/up and down run once over its group; fp32 or bf16 weights, or int8 ones with a scale per
+group of inputs (GGUF's Q8_0 experts, kept as they load)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import torch
 
 from llmserve_kernels.cpu._build import function, i32, ptr
 
-_DTYPES = (torch.bfloat16, torch.float32)
+_ACTIVATIONS = (torch.bfloat16, torch.float32)
+_WEIGHTS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 
 
 def fused_moe(
@@ -16,16 +18,42 @@ def fused_moe(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor | None:
     """out [T, H] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) as `reference.fused_moe_ref`
     defines it (x [T, H], w13 [E, 2I, H] gate rows then up rows, w2 [E, H, I]); None where it can't run
-    (no native library, another device or dtype)."""
-    fn = function("moe_forward", i32, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, i32)
-    tensors = (x, w13, w2)
+    (no native library, another device or dtype). int8 weights come with `scales`: fp32 [E, 2I, H / g] and
+    [E, H, I / g], weight = scale * q over each group of g inputs; float weights in x's dtype."""
+    fn = function(
+        "moe_forward",
+        i32,
+        ptr,
+        ptr,
+        ptr,
+        ptr,
+        ptr,
+        ptr,
+        ptr,
+        ptr,
+        i32,
+        i32,
+        i32,
+        i32,
+        i32,
+        i32,
+        i32,
+        i32,
+        i32,
+    )
+    quantized = w13.dtype == torch.int8
+    tensors = (x, w13, w2, *(scales or ()))
     if (
         fn is None
-        or any(t.device.type != "cpu" or t.dtype != x.dtype or not t.is_contiguous() for t in tensors)
-        or x.dtype not in _DTYPES
+        or any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors)
+        or x.dtype not in _ACTIVATIONS
+        or w2.dtype != w13.dtype
+        or (w13.dtype != x.dtype and not quantized)
+        or quantized != (scales is not None)
     ):
         return None
     experts, double_inter, hidden = w13.shape
@@ -34,6 +62,15 @@ def fused_moe(
         raise ValueError(
             f"fused_moe: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} disagree"
         )
+    group = 0
+    if quantized:
+        group = hidden // scales[0].shape[-1]
+        if scales[0].shape != (experts, double_inter, hidden // group) or scales[1].shape != (
+            experts,
+            hidden,
+            double_inter // 2 // group,
+        ):
+            raise ValueError(f"fused_moe: scales {[tuple(s.shape) for s in scales]} do not group the weights")
     out = torch.empty_like(x)
     if tokens == 0:
         return out
@@ -43,6 +80,8 @@ def fused_moe(
         x.data_ptr(),
         w13.data_ptr(),
         w2.data_ptr(),
+        scales[0].data_ptr() if quantized else None,
+        scales[1].data_ptr() if quantized else None,
         ids.data_ptr(),
         weights.data_ptr(),
         out.data_ptr(),
@@ -52,6 +91,8 @@ def fused_moe(
         experts,
         top_k,
         int(x.dtype == torch.bfloat16),
+        _WEIGHTS[w13.dtype],
+        group,
         torch.get_num_threads(),
     )
     if status != 0:

@@ -8,7 +8,18 @@
 #include "bf16.h"
 
 #define MOE_ROWS 16        /* weight rows per work item */
-#define MOE_WIDEN_TOKENS 8 /* a bf16 block is widened to fp32 once for at least this many tokens */
+#define MOE_WIDEN_TOKENS 8 /* a bf16 or int8 block is widened to fp32 once for at least this many tokens */
+
+/* How the expert weights are stored: fp32, bf16, or int8 with an fp32 scale per group of `group` inputs
+ * (w = scale * q: GGUF's Q8_0, group 32). */
+enum moe_weight { MOE_F32, MOE_BF16, MOE_INT8 };
+
+/* A block of `rows` weight rows of length n, and (int8) its scales [rows, n / group]. */
+struct moe_rows {
+    const char *w;
+    const float *scale;
+    int type, group;
+};
 
 
 /* out[p * ld + r] = x[p] . w[r] for `count` input rows x[p] and `rows` fp32 weight rows of length n: four
@@ -37,27 +48,44 @@ static void moe_block(const float *w, int rows, int n, const float **x, int coun
         }
 }
 
-/* out[p * ld + r] = x[p] . w[r] for `rows` rows of a bf16 or fp32 weight (row length n). A bf16 block that
- * serves MOE_WIDEN_TOKENS tokens or more is widened to fp32 in `scratch` (rows * n floats) first; fewer tokens
- * read it as it is (a decode step reads each weight once). Returns -1 without memory for the scratch. */
-static int moe_project(const char *w, int bf16, int rows, int n, const float **x, int count, float *out, long ld) {
-    if (!bf16) {
-        moe_block((const float *)w, rows, n, x, count, out, ld);
+/* x . row r of the block, read as stored. */
+static float moe_dot(const struct moe_rows *b, int r, int n, const float *x) {
+    float s = 0.f;
+    if (b->type == MOE_BF16) {
+        const uint16_t *v = (const uint16_t *)b->w + (long)r * n;
+        for (int i = 0; i < n; i++) s += x[i] * bf16_to_float(v[i]);
+    } else {
+        const int8_t *q = (const int8_t *)b->w + (long)r * n;
+        const float *scale = b->scale + (long)r * (n / b->group);
+        for (int g = 0; g < n / b->group; g++) {
+            float part = 0.f;
+            for (int i = g * b->group; i < (g + 1) * b->group; i++) part += x[i] * (float)q[i];
+            s += scale[g] * part;
+        }
+    }
+    return s;
+}
+
+/* out[p * ld + r] = x[p] . w[r] for the block's `rows` rows (row length n). A bf16 or int8 block that serves
+ * MOE_WIDEN_TOKENS tokens or more is widened to fp32 once first; fewer tokens read it as it is (a decode step
+ * reads each weight once). Returns -1 without memory for the widened block. */
+static int moe_project(const struct moe_rows *b, int rows, int n, const float **x, int count, float *out, long ld) {
+    if (b->type == MOE_F32) {
+        moe_block((const float *)b->w, rows, n, x, count, out, ld);
         return 0;
     }
-    const uint16_t *v = (const uint16_t *)w;
     if (count < MOE_WIDEN_TOKENS) {
         for (int p = 0; p < count; p++)
-            for (int r = 0; r < rows; r++) {
-                float s = 0.f;
-                for (int i = 0; i < n; i++) s += x[p][i] * bf16_to_float(v[(long)r * n + i]);
-                out[(long)p * ld + r] = s;
-            }
+            for (int r = 0; r < rows; r++) out[(long)p * ld + r] = moe_dot(b, r, n, x[p]);
         return 0;
     }
     float *wide = malloc(sizeof(float) * rows * n);
     if (!wide) return -1;
-    for (long i = 0; i < (long)rows * n; i++) wide[i] = bf16_to_float(v[i]);
+    if (b->type == MOE_BF16)
+        for (long i = 0; i < (long)rows * n; i++) wide[i] = bf16_to_float(((const uint16_t *)b->w)[i]);
+    else
+        for (long i = 0; i < (long)rows * n; i++)
+            wide[i] = b->scale[i / b->group] * (float)((const int8_t *)b->w)[i]; /* n is a multiple of group */
     moe_block(wide, rows, n, x, count, out, ld);
     free(wide);
     return 0;
@@ -80,13 +108,15 @@ static int moe_items(const int *start, int experts, int rows, int *item_expert, 
 
 /* out [tokens, hidden] = sum_j weights[t, j] * expert_{ids[t, j]}(x[t]), where expert_e(x) =
  * w2[e] (silu(gate_e x) * up_e x), w13 [experts, 2 * inter, hidden] holding gate's rows then up's, and
- * w2 [experts, hidden, inter]. x, out, w13 and w2 are bf16 where `bf16`, else fp32; ids [tokens, top_k] in
- * [0, experts). Returns 0, or -1 without memory for the scratch buffers. */
-int moe_forward(const void *x, const void *w13, const void *w2, const int32_t *ids, const float *weights,
-                void *out, int tokens, int hidden, int inter, int experts, int top_k, int bf16, int num_threads) {
+ * w2 [experts, hidden, inter], stored as `wtype` says (int8: with scales s13 [experts, 2 * inter, hidden /
+ * group] and s2 [experts, hidden, inter / group]; else both null). x and out are bf16 where `bf16`, else fp32;
+ * ids [tokens, top_k] in [0, experts). Returns 0, or -1 without memory for the scratch buffers. */
+int moe_forward(const void *x, const void *w13, const void *w2, const float *s13, const float *s2,
+                const int32_t *ids, const float *weights, void *out, int tokens, int hidden, int inter,
+                int experts, int top_k, int bf16, int wtype, int group, int num_threads) {
     long pairs = (long)tokens * top_k;
     int rows_max = (inter > hidden ? inter : hidden) + MOE_ROWS;
-    size_t elem = bf16 ? 2 : 4;
+    size_t elem = wtype == MOE_F32 ? 4 : wtype == MOE_BF16 ? 2 : 1;
     int *start = calloc(experts + 1, sizeof(int)), *next = malloc(sizeof(int) * experts);
     int *order = malloc(sizeof(int) * pairs), *slot = malloc(sizeof(int) * pairs);
     int *item_expert = malloc(sizeof(int) * experts * (rows_max / MOE_ROWS));
@@ -118,11 +148,14 @@ int moe_forward(const void *x, const void *w13, const void *w2, const int32_t *i
         float *gu = malloc(sizeof(float) * count * 2 * rows); /* each token's gate outputs, then up's */
         const float **x = malloc(sizeof(float *) * count);
         if (gu && x) {
-            const char *gate = (const char *)w13 + ((size_t)e * 2 * inter + r0) * hidden * elem;
-            const char *up = gate + (size_t)inter * hidden * elem;
+            size_t gate_row = (size_t)e * 2 * inter + r0, up_row = gate_row + inter;
+            struct moe_rows gate = {(const char *)w13 + gate_row * hidden * elem,
+                                    s13 ? s13 + gate_row * (hidden / group) : 0, wtype, group};
+            struct moe_rows up = {(const char *)w13 + up_row * hidden * elem,
+                                  s13 ? s13 + up_row * (hidden / group) : 0, wtype, group};
             for (int c = 0; c < count; c++) x[c] = xf + (long)(order[start[e] + c] / top_k) * hidden;
-            if (moe_project(gate, bf16, rows, hidden, x, count, gu, 2 * rows) ||
-                moe_project(up, bf16, rows, hidden, x, count, gu + rows, 2 * rows))
+            if (moe_project(&gate, rows, hidden, x, count, gu, 2 * rows) ||
+                moe_project(&up, rows, hidden, x, count, gu + rows, 2 * rows))
                 failed = 1;
             for (int c = 0; c < count && !failed; c++)
                 for (int r = 0; r < rows; r++)
@@ -140,10 +173,12 @@ int moe_forward(const void *x, const void *w13, const void *w2, const int32_t *i
         int e = item_expert[it], r0 = item_row[it], rows = r0 + MOE_ROWS < hidden ? MOE_ROWS : hidden - r0;
         int count = start[e + 1] - start[e];
         const float **x = malloc(sizeof(float *) * count);
-        const char *down = (const char *)w2 + ((size_t)e * hidden + r0) * inter * elem;
+        size_t down_row = (size_t)e * hidden + r0;
+        struct moe_rows down = {(const char *)w2 + down_row * inter * elem, s2 ? s2 + down_row * (inter / group) : 0,
+                                wtype, group};
         if (x) {
             for (int c = 0; c < count; c++) x[c] = act + (long)(start[e] + c) * inter;
-            failed |= moe_project(down, bf16, rows, inter, x, count, y + (long)start[e] * hidden + r0, hidden) != 0;
+            failed |= moe_project(&down, rows, inter, x, count, y + (long)start[e] * hidden + r0, hidden) != 0;
         } else {
             failed = 1;
         }
