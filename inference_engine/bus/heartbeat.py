@@ -12,6 +12,7 @@ from typing import Any
 
 import redis
 
+from inference_engine.bus import routing
 from inference_engine.bus.protocol import Keys
 
 log = logging.getLogger(__name__)
@@ -34,10 +35,15 @@ def withdraw_process(client: redis.Redis, keys: Keys, model: str, host: str, pid
     if gone:
         with client.pipeline(transaction=False) as pipe:
             for replica in gone:
-                pipe.delete(keys.replica(_text(replica)))
+                pipe.delete(keys.replica(_text(replica)), *_routing_keys(keys, _text(replica)))
                 pipe.srem(keys.replicas(model), replica)
             pipe.execute()
     return [_text(r) for r in gone]
+
+
+def _routing_keys(keys: Keys, replica: str) -> list[str]:
+    """The replica's routing summary and load (`routing`), which live and die with its heartbeat."""
+    return [routing.summary_key(keys, replica), routing.load_key(keys, replica)]
 
 
 def _text(value: str | bytes) -> str:
@@ -64,6 +70,8 @@ class Heartbeat:
     def beat(self) -> None:
         with self.redis.pipeline(transaction=False) as pipe:
             pipe.set(self.keys.replica(self.replica_id), json.dumps(self.payload), px=int(self.ttl * 1000))
+            for key in _routing_keys(self.keys, self.replica_id):
+                pipe.pexpire(key, int(self.ttl * 1000))
             pipe.sadd(self.keys.replicas(self.model), self.replica_id)
             pipe.sadd(self.keys.models, self.model)
             pipe.execute()
@@ -85,7 +93,7 @@ class Heartbeat:
             self._thread.join(self.interval + 1)
         try:
             with self.redis.pipeline(transaction=False) as pipe:
-                pipe.delete(self.keys.replica(self.replica_id))
+                pipe.delete(self.keys.replica(self.replica_id), *_routing_keys(self.keys, self.replica_id))
                 pipe.srem(self.keys.replicas(self.model), self.replica_id)
                 pipe.execute()
         except redis.RedisError:

@@ -16,6 +16,11 @@ interactive one: bulk prefills are spread over steps instead of arriving in wave
 whole batch of bulk prompts is many decode steps long, and an interactive request arriving meanwhile waits it
 out), and the step that prefills an interactive request carries no new bulk prompt.
 
+Routing (see `routing`): each replica also has a request stream of its own, to which clients send the
+interactive requests whose prompt prefix it served; it reads that stream before the shared one, publishes its
+routing summary and load every `summary_interval`, hands unread routed entries back to the shared stream when
+it stops, and takes over the routed entries of a replica that died.
+
 Orphans: every `heartbeat_interval` the loop also looks up the liveness keys of the clients that own its
 running requests (see `protocol`) and aborts the requests of those whose key lapsed, freeing their KV blocks:
 a web worker killed mid-stream leaves nobody to send the abort.
@@ -37,6 +42,7 @@ from typing import Any
 import redis
 
 from inference_engine.bus import protocol as P
+from inference_engine.bus import routing
 from inference_engine.bus.deltas import DeltaTracker
 from inference_engine.bus.heartbeat import Heartbeat, new_replica_id
 from inference_engine.errors import (
@@ -65,6 +71,8 @@ class ServeSettings:
     # Seconds the engine idles after publishing a request's first token while other work remains: see
     # `first_token_pause_for`. 0 = never.
     first_token_pause: float = 0.0
+    # Seconds between updates of the replica's routing summary and load (see `routing`).
+    summary_interval: float = 0.25
 
 
 def first_token_pause_for(threads: int, cpus: int) -> float:
@@ -117,7 +125,17 @@ class EngineServer:
         self.low_admit = max(1, self.max_inflight // 8)  # new low-priority requests per iteration
         self.req_stream, self.util_stream = self.keys.requests(self.model), self.keys.utility(self.model)
         self.low_stream = self.keys.low_priority_requests(self.model)
-        self.streams = (self.req_stream, self.low_stream, self.util_stream)
+        self.routed_stream = routing.routed_stream(self.keys, self.model, self.replica_id)
+        self.streams = (self.routed_stream, self.req_stream, self.low_stream, self.util_stream)
+        self.interactive_streams = (self.routed_stream, self.req_stream)
+        self.summary = routing.Summary(
+            self.keys,
+            self.model,
+            self.replica_id,
+            max(1, engine.stats().get("num_blocks", 1)),  # the cache holds at most that many prefixes
+            self.settings.summary_interval,
+            self.settings.heartbeat_ttl,
+        )
         self._live: dict[str, _Live] = {}
         self._unacked: dict[str, P.Ack] = {}  # live requests waiting for their grammar: their ack
         self._writes: list[tuple[str, P.Message]] = []
@@ -164,6 +182,8 @@ class EngineServer:
         self._abort_cursor = last[0][0] if last else "0-0"
         self._update_stats()
         self.heartbeat.beat()  # before the first read, so no survivor mistakes us for dead
+        if self._accepting:
+            self._publish_summary(force=True)  # routable from the start
         self._recover(self.replica_id)  # our own entries, if Redis kept them across a lost connection
         self._flush()
         log.info("replica %s serving %r on the bus", self.replica_id, self.model)
@@ -191,6 +211,7 @@ class EngineServer:
     def _drain(self) -> None:
         """Stop taking requests, finish the running ones within the grace period, fail the rest clearly."""
         self._accepting = False
+        self._guarded(self._hand_back)
         deadline = time.monotonic() + self.settings.shutdown_grace
         while self._live and time.monotonic() < deadline:
             self._guarded(self._iterate)
@@ -199,6 +220,8 @@ class EngineServer:
             for rid in list(self._live):
                 self._fail(rid, EngineUnavailableError("the engine replica shut down before finishing."))
         self._guarded(self._flush)
+        self._guarded(self._hand_back)  # what was routed here during the grace period
+        self._guarded(lambda: self.redis.xlen(self.routed_stream) or self.redis.delete(self.routed_stream))
 
     # -------------------------------------------------------------------------------------------- loop
 
@@ -222,6 +245,8 @@ class EngineServer:
             self._acknowledge_prepared()
             firsts = self._publish(outputs)
         self._flush()
+        if self._accepting:
+            self._publish_summary()
         if firsts and self.settings.first_token_pause and self.engine.has_unfinished_requests():
             self._stopping.wait(self.settings.first_token_pause)  # a core for those who deliver them
         if time.monotonic() >= self._next_maintenance:
@@ -229,6 +254,7 @@ class EngineServer:
             self._update_stats()
             for consumer in self._dead_consumers():
                 self._recover(consumer)
+            self._recover_routed()
             self._abort_orphans()
             self._flush()
 
@@ -268,7 +294,7 @@ class EngineServer:
         if not self._accepting:
             return 0, 0
         streams = [live.stream for live in self._live.values()] + [stream for stream, _, _ in new]
-        interactive = sum(1 for stream in streams if stream == self.req_stream)
+        interactive = sum(1 for stream in streams if stream in self.interactive_streams)
         total = sum(1 for stream in streams if stream != self.util_stream)
         return self.max_inflight - interactive, self.max_inflight - total
 
@@ -282,7 +308,10 @@ class EngineServer:
         with self.redis.pipeline(transaction=False) as pipe:
             pipe.xreadgroup(P.GROUP, self.replica_id, {self.util_stream: ">"}, count=16)
             if interactive > 0:
-                pipe.xreadgroup(P.GROUP, self.replica_id, {self.req_stream: ">"}, count=interactive)
+                # Ours first. One command for both streams, whose count applies to each: when both have a
+                # backlog (some clients route, others do not) this takes up to twice the capacity.
+                streams = {self.routed_stream: ">", self.req_stream: ">"}
+                pipe.xreadgroup(P.GROUP, self.replica_id, streams, count=interactive)
             self._ask_aborted(pipe, entries)
             replies = self._execute(pipe)
         if replies is None:
@@ -292,7 +321,7 @@ class EngineServer:
         for reply in replies[:reads]:
             more += self._entries(reply)
         _, total = self._capacity(entries + more)
-        if total > 0 and not any(stream == self.req_stream for stream, _, _ in entries + more):
+        if total > 0 and not any(stream in self.interactive_streams for stream, _, _ in entries + more):
             with self.redis.pipeline(transaction=False) as pipe:
                 count = min(total, self.low_admit)
                 pipe.xreadgroup(P.GROUP, self.replica_id, {self.low_stream: ">"}, count=count)
@@ -387,6 +416,8 @@ class EngineServer:
             self._done.append((stream, entry_id))
             return
         n = 1 if embed else params.n
+        if not embed:
+            self.summary.record(message)
         self._live[rid] = _Live(stream, entry_id, DeltaTracker(len(prompt_ids)), n, message.owner, embed)
         if embed:
             return
@@ -545,10 +576,83 @@ class EngineServer:
             "max_model_len": self.engine.max_model_len,
             "inflight": len(self._live),
             "max_inflight": self.max_inflight,
-            "inflight_interactive": sum(1 for live in self._live.values() if live.stream == self.req_stream),
+            "inflight_interactive": sum(
+                1 for live in self._live.values() if live.stream in self.interactive_streams
+            ),
             "tokens_per_s": (tokens - before) / (now - then) if now > then else 0.0,
             "stats": stats,
         }
+
+    def _publish_summary(self, force: bool = False) -> None:
+        """The routing summary and load, at most every `summary_interval` (see `routing`)."""
+        if not self.summary.due(force):
+            return
+        stats = self.engine.stats()
+        load = {
+            "inflight": len(self._live),
+            "inflight_routed": sum(1 for live in self._live.values() if live.stream == self.routed_stream),
+            "running": stats.get("num_running", 0),
+            "waiting": stats.get("num_waiting", 0),
+            "free_blocks": stats.get("num_free_blocks", 0),
+        }
+        with self.redis.pipeline(transaction=False) as pipe:
+            self.summary.publish(pipe, load)
+            pipe.execute()
+
+    def _hand_back(self) -> None:
+        """On shutdown: withdraw from routing (clients then queue on the shared stream), and move what was
+        routed here but not read yet to the shared stream, where the other replicas take it."""
+        self.redis.delete(routing.load_key(self.keys, self.replica_id))
+        reply = self.redis.xreadgroup(P.GROUP, self.replica_id, {self.routed_stream: ">"}, count=10_000)
+        entries = [(entry_id, fields) for _, items in reply or () for entry_id, fields in items]
+        if entries:
+            with self.redis.pipeline(transaction=False) as pipe:
+                for entry_id, fields in entries:
+                    pipe.xadd(self.req_stream, fields)
+                    pipe.xack(self.routed_stream, P.GROUP, entry_id)
+                    pipe.xdel(self.routed_stream, entry_id)
+                pipe.execute()
+            log.info("handed %d routed request(s) back to the shared stream", len(entries))
+
+    def _recover_routed(self) -> None:
+        """Take over what was routed to dead replicas: the entries they read (pending under their name) and
+        those they never read. A replica is dead here once both its heartbeat and its routing load expired,
+        so no client routes to its stream any more; the stream is deleted once empty."""
+        members = self.redis.smembers(self.keys.replicas(self.model))
+        others = sorted(r for r in members if r != self.replica_id)
+        if not others:
+            return
+        with self.redis.pipeline(transaction=False) as pipe:
+            for r in others:
+                pipe.exists(self.keys.replica(r), routing.load_key(self.keys, r))
+            alive = pipe.execute()
+        for replica in [r for r, count in zip(others, alive, strict=True) if count == 0]:
+            stream = routing.routed_stream(self.keys, self.model, replica)
+            try:
+                self._take_routed(stream)
+            except redis.ResponseError as exc:  # no such stream or group: nothing was routed there
+                if not _data_lost(exc):
+                    raise
+            if not self.redis.xlen(stream):
+                self.redis.delete(stream)
+                self.redis.srem(self.keys.replicas(self.model), replica)
+
+    def _take_routed(self, stream: str) -> None:
+        pending = self.redis.xpending_range(stream, P.GROUP, min="-", max="+", count=1000)
+        consumers = sorted({p["consumer"] for p in pending} - {self.replica_id})
+        beats = self.redis.mget([self.keys.replica(c) for c in consumers]) if consumers else []
+        dead = {c for c, beat in zip(consumers, beats, strict=True) if beat is None}
+        ids = [p["message_id"] for p in pending if p["consumer"] in dead]
+        min_idle = int(self.settings.claim_min_idle * 1000)
+        claimed = self.redis.xclaim(stream, P.GROUP, self.replica_id, min_idle, ids) if ids else []
+        for entry_id, fields in claimed:
+            self._take_over(stream, entry_id, fields)
+        _, total = self._capacity([])
+        if total > 0:
+            reply = self.redis.xreadgroup(P.GROUP, self.replica_id, {stream: ">"}, count=total)
+            for _, items in reply or ():
+                for entry_id, fields in items:
+                    self._take_over(stream, entry_id, fields)
 
     def _abort_orphans(self) -> None:
         """Abort the running requests whose owner's liveness key lapsed, unless a live client adopted them."""
