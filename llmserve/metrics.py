@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from inference_engine.bus import routing
 from inference_engine.bus.protocol import ModelInfo, RequestDelta
 
 PREFIX, VLLM_PREFIX = "llmserve_", "vllm:"
@@ -98,6 +99,15 @@ REQUEST_GENERATION_TOKENS = Histogram(
     ["model_name"],
     buckets=TOKEN_BUCKETS,
 )
+
+# Where the bus client queued each interactive request (`inference_engine.bus.routing`): prefix,
+# least_loaded or shared.
+ROUTING_DECISIONS = Counter(
+    "llmserve_routing_decisions",
+    "Interactive requests by the policy that placed them.",
+    ["model_name", "policy"],
+)
+routing.on_route(lambda model, policy: ROUTING_DECISIONS.labels(model, policy).inc())
 
 
 class RequestTimer:

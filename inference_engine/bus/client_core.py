@@ -25,6 +25,7 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from inference_engine.bus import protocol as P
+from inference_engine.bus import routing
 from inference_engine.bus.redis_server import REDIS_URL_ENV
 from inference_engine.errors import (
     EngineError,
@@ -60,6 +61,11 @@ class ClientSettings:
     # it has requests in flight; the engine aborts them once it has been silent `owner_ttl` seconds.
     owner_beat: float = 1.0
     owner_ttl: float = 5.0
+    # Interactive generations go to the replica holding the longest part of their prompt ("prefix"), or all
+    # to the model's shared stream ("shared"); see `routing`.
+    routing: str = routing.PREFIX
+    # Requests by which the prefix's replica may be busier than the least loaded one and still get it.
+    routing_load_margin: int = 4
 
 
 @dataclass
@@ -106,18 +112,24 @@ def _cmd(name: str, *args: Any, **kwargs: Any) -> Command:
 
 # Admission in one atomic step, so concurrent submits never overshoot the backlog bound: refuse when the
 # counted streams' backlog has reached the limit, refuse a reused request id, else mark the owner alive and
-# queue the entry.
-# KEYS: request-id key, target stream, owner key, counted streams...
-# ARGV: limit (-1: none), model, id ttl, entry, owner ttl (ms).
+# queue the entry: on the target stream, or on the fallback stream when the target is a replica's own stream
+# and that replica withdrew from routing (its load key is gone: it died or is shutting down), so that nothing
+# is queued where no replica reads it.
+# KEYS: request-id key, target stream, owner key, the target replica's load key, fallback stream, counted
+# streams... ARGV: limit (-1: none), model, id ttl, entry, owner ttl (ms), 1 when the target is a replica's.
 _ADMIT = f"""
 local limit = tonumber(ARGV[1])
 if limit >= 0 then
   local backlog = 0
-  for i = 4, #KEYS do backlog = backlog + redis.call('XLEN', KEYS[i]) end
+  for i = 6, #KEYS do backlog = backlog + redis.call('XLEN', KEYS[i]) end
   if backlog >= limit then return 'overloaded' end
 end
 if not redis.call('SET', KEYS[1], ARGV[2], 'NX', 'EX', ARGV[3]) then return 'duplicate' end
 redis.call('SET', KEYS[3], 1, 'PX', ARGV[5])
+if ARGV[6] == '1' and redis.call('EXISTS', KEYS[4]) == 0 then
+  redis.call('XADD', KEYS[5], '*', '{P.FIELD}', ARGV[4])
+  return 'fallback'
+end
 redis.call('XADD', KEYS[2], '*', '{P.FIELD}', ARGV[4])
 return 'ok'
 """
@@ -196,16 +208,72 @@ class Core:
             stream, counted, limit = self.keys.utility(model), (), -1
         if not (yield from self.served(model)):
             raise ModelNotFoundError(f"model {model!r} is not served by any live engine.")
-        keys = (self.keys.request_id(message.id), stream, self._owner_key, *counted)
+        decision = routing.Decision(routing.SHARED)
+        if self._routable(message):
+            decision = yield from self.route(model, message)
+        fallback, alive = stream, stream
+        if decision.replica is not None:
+            stream = routing.routed_stream(self.keys, model, decision.replica)
+            alive = routing.load_key(self.keys, decision.replica)
+            counted = (*counted, stream)
+        keys = (self.keys.request_id(message.id), stream, self._owner_key, alive, fallback, *counted)
         entry = P.encode(message)[P.FIELD]
         owner_ttl = int(self.settings.owner_ttl * 1000)
+        routed = int(decision.replica is not None)
         (verdict,) = yield [
-            _cmd("eval", _ADMIT, len(keys), *keys, limit, model, self.settings.id_ttl, entry, owner_ttl)
+            _cmd(
+                "eval", _ADMIT, len(keys), *keys, limit, model, self.settings.id_ttl, entry, owner_ttl, routed
+            )
         ]
         if verdict == "overloaded":
             raise EngineOverloadedError(f"model {model!r} has {limit} requests queued; retry later.")
         if verdict == "duplicate":
             raise InvalidRequestError(f"duplicate request id {message.id!r}.")
+        if verdict == "fallback":
+            decision = routing.Decision(routing.SHARED)
+        if self._routable(message):
+            log.info(
+                "request %s: routed %s (%s, %d of its prompt cached there)",
+                message.id,
+                f"to replica {decision.replica}" if decision.replica else "to the shared stream",
+                decision.policy,
+                decision.matched,
+            )
+            routing.routed(model, decision.policy)
+
+    def _routable(self, message: P.Message) -> bool:
+        """Interactive generations are routed (see `routing`); bulk ones and tokenizer calls are not."""
+        return (
+            self.settings.routing == routing.PREFIX
+            and isinstance(message, P.Generate)
+            and not isinstance(message, P.Embed)
+            and message.priority <= 0
+        )
+
+    def route(self, model: str, message: P.Generate) -> Op[routing.Decision]:
+        """Where to queue an interactive generation: two round trips (the replicas, then their loads, queued
+        requests and which of the prompt's prefix digests they hold)."""
+        (members,) = yield [_cmd("smembers", self.keys.replicas(model))]
+        replicas = sorted(members)
+        if len(replicas) < 2:
+            return routing.Decision(routing.SHARED)
+        digests = routing.prefix_digests(message)
+        commands = []
+        for replica in replicas:
+            commands.append(_cmd("hgetall", routing.load_key(self.keys, replica)))
+            commands.append(_cmd("xlen", routing.routed_stream(self.keys, model, replica)))
+            if digests:
+                names = [digest for digest, _ in digests]
+                commands.append(_cmd("zmscore", routing.summary_key(self.keys, replica), names))
+        replies = iter((yield commands))
+        loads, matches = {}, {}
+        for replica in replicas:
+            load, queued = next(replies), next(replies)
+            scores = next(replies) if digests else []
+            if load:
+                loads[replica] = routing.replica_load(load, queued)
+                matches[replica] = routing.longest_match(digests, scores)
+        return routing.choose(loads, matches, self.settings.routing_load_margin)
 
     def abort(self, model: str, request_id: str) -> Op[None]:
         yield [
