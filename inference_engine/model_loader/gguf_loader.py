@@ -349,9 +349,12 @@ def _weights(
         if name is None:
             continue
         stacked = name.endswith(_STACKED_EXPERTS)
-        if stacked and keep_quantized and tensor.tensor_type not in DENSE_TYPES:
-            logger.info("%s: quantized experts are not supported yet: dequantized to dense", tensor.name)
-        weight = _tensor(tensor, keep_quantized and name.endswith(".weight") and not stacked)
+        if stacked:  # [E, rows, cols], each expert's as a tensor of its own (quantized ones kept so)
+            prefix, projection, _ = name.rsplit(".", 2)
+            for expert in range(tensor.data.shape[0]):
+                yield f"{prefix}.{expert}.{projection}.weight", _expert(tensor, expert, keep_quantized)
+            continue
+        weight = _tensor(tensor, keep_quantized and name.endswith(".weight"))
         if arch in _OFFSET_NORMS and name.endswith("norm.weight"):
             weight = weight - 1.0  # the model adds it back (exactly, for sums of at least 0.5)
         heads = None
@@ -365,11 +368,7 @@ def _weights(
                 weight = weight[torch.from_numpy(order)]
             else:
                 weight = gguf_quant.permute_rows(weight, order)
-        if stacked:
-            prefix, projection, _ = name.rsplit(".", 2)
-            for expert, part in enumerate(weight):
-                yield f"{prefix}.{expert}.{projection}.weight", part
-        elif ".qkv_proj." in name or ".gate_up_proj." in name:
+        if ".qkv_proj." in name or ".gate_up_proj." in name:
             yield from _split_rows(name, weight, config)
         else:
             yield name, weight
@@ -392,6 +391,18 @@ def _split_rows(name: str, weight: Weight, config: ModelConfig) -> Iterator[tupl
             yield name.replace(fused, part), weight[start : start + rows]
         else:
             yield name.replace(fused, part), gguf_quant.permute_rows(weight, np.arange(start, start + rows))
+
+
+def _expert(tensor: gguf_file.GGUFTensor, expert: int, keep_quantized: bool) -> Weight:
+    """One expert's [rows, cols] of a stacked expert tensor: quantized blocks kept where asked and supported
+    (the experts then run int8 where they all are, `models.moe.FusedExperts`), else dense fp32."""
+    qtype = tensor.tensor_type
+    if keep_quantized and qtype in gguf_quant.CONVERTERS:
+        return gguf_quant.convert(tensor.data[expert], qtype)
+    array = gguf.dequantize(tensor.data[expert], qtype)
+    return torch.from_numpy(
+        np.array(array, dtype=np.float32).reshape(int(tensor.shape[1]), int(tensor.shape[0]))
+    )
 
 
 def _tensor(tensor: gguf_file.GGUFTensor, keep_quantized: bool) -> Weight:

@@ -22,6 +22,7 @@ from inference_engine.layers.linear import Weight
 from inference_engine.model_loader.hf_config import MoEModelConfig
 from inference_engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from llmserve_kernels.cpu import moe as cpu_moe
+from llmserve_kernels.quantized import Int8Weight
 from llmserve_kernels.reference import fused_moe_ref
 
 logger = logging.getLogger(__name__)
@@ -44,70 +45,106 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
 
 
 def fused_experts(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """The experts' weighted sum for every token, through the device's fused kernel."""
+    """The experts' weighted sum for every token, through the device's fused kernel (int8 experts with
+    `scales`: the CPU's)."""
     if x.device.type == "cuda":
         from llmserve_kernels.triton.fused_moe import fused_moe
 
         return fused_moe(x, w13, w2, weights, ids)
-    out = cpu_moe.fused_moe(x, w13, w2, weights, ids)
-    return out if out is not None else fused_moe_ref(x, w13, w2, weights, ids)
+    out = cpu_moe.fused_moe(x, w13, w2, weights, ids, scales)
+    if out is not None:
+        return out
+    if scales is not None:  # no native library: the int8 weights' values, step by step
+        w13 = w13.float() * scales[0].repeat_interleave(w13.shape[2] // scales[0].shape[2], -1)
+        w2 = w2.float() * scales[1].repeat_interleave(w2.shape[2] // scales[1].shape[2], -1)
+    return fused_moe_ref(x, w13, w2, weights, ids)
+
+
+_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 class FusedExperts(nn.Module):
-    """Every expert of a layer, stacked for the fused kernels: w13 [E, 2I, H] (gate rows then up rows) and
-    w2 [E, H, I], filled expert by expert (or whole, from transformers 5's fused tensors) as the checkpoint
-    gives them. With tensor parallelism each rank holds its slice of every expert's intermediate features
-    (I / ranks, as a dense MLP is split) and the ranks' partial outputs are summed."""
+    """Every expert of a layer, stacked for the fused kernels at `finalize`: w13 [E, 2I, H] (gate rows then
+    up rows) and w2 [E, H, I], from the checkpoint's per-expert tensors (or transformers 5's fused ones).
+    Experts that all load as int8 with one group size (GGUF's Q8_0) stay int8 on the CPU, with their scales;
+    any other mix is dequantized to the model's dtype. With tensor parallelism each rank holds its slice of
+    every expert's intermediate features (I / ranks, as a dense MLP is split) and the ranks' outputs are
+    summed."""
 
     def __init__(self, num_experts: int, hidden: int, inter: int) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
         if inter % self.tp_size:
             raise ValueError(f"the experts' width {inter} does not split over {self.tp_size} ranks")
-        inter //= self.tp_size
-        self.w13 = torch.empty(num_experts, 2 * inter, hidden)  # default device and dtype: the model's
-        self.w2 = torch.empty(num_experts, hidden, inter)
-        self.loaded = torch.zeros(num_experts, 3, dtype=torch.bool)  # gate, up, down
+        self.num_experts, self.hidden, self.inter = num_experts, hidden, inter // self.tp_size
+        self.device, self.dtype = torch.get_default_device(), torch.get_default_dtype()
+        self.parts: dict[
+            tuple[int, str], Weight
+        ] = {}  # (expert, projection): this rank's slice, until finalize
+        self.w13 = self.w2 = torch.empty(0)
+        self.scales: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def load_expert(self, expert: int, projection: str, weight: Weight) -> None:
-        self._load(projection, weight, expert)
-        self.loaded[expert, ("gate_proj", "up_proj", "down_proj").index(projection)] = True
+        dim = 1 if projection == "down_proj" else 0  # the intermediate features' dimension
+        weight = weight.narrow(dim, self.tp_rank * self.inter, self.inter)
+        # dense parts in the model's dtype now (on the CPU until finalize): a bf16 model's fp32 checkpoint
+        # is not held whole meanwhile
+        self.parts[expert, projection] = weight.to(self.dtype) if isinstance(weight, torch.Tensor) else weight
 
     def load_fused(self, projection: str, weight: Weight) -> None:
         """transformers 5's [E, 2I, H] gate_up_proj or [E, H, I] down_proj."""
-        if projection == "down_proj":
-            self._load("down_proj", weight)
-        else:
-            half = weight.shape[1] // 2
-            self._load("gate_proj", weight[:, :half])
-            self._load("up_proj", weight[:, half:])
-        self.loaded[:, 2 if projection == "down_proj" else slice(0, 2)] = True
-
-    def _load(self, projection: str, weight: Weight, expert: int | None = None) -> None:
-        """This rank's slice of one projection of one expert (of every expert where `expert` is None)."""
-        if not isinstance(weight, torch.Tensor):
-            raise ValueError("quantized expert weights are not supported: load the checkpoint dequantized")
-        inter = self.w2.shape[2]
-        w13, w2 = (self.w13, self.w2) if expert is None else (self.w13[expert], self.w2[expert])
-        if projection == "down_proj":
-            w2.copy_(weight.narrow(-1, self.tp_rank * inter, inter))
-        else:
-            first = 0 if projection == "gate_proj" else inter
-            w13.narrow(-2, first, inter).copy_(weight.narrow(-2, self.tp_rank * inter, inter))
+        for expert in range(weight.shape[0]):
+            if projection == "down_proj":
+                self.load_expert(expert, "down_proj", weight[expert])
+            else:
+                half = weight.shape[1] // 2
+                self.load_expert(expert, "gate_proj", weight[expert, :half])
+                self.load_expert(expert, "up_proj", weight[expert, half:])
 
     def finalize(self) -> None:
-        if not self.loaded.all():
-            missing = sorted({int(e) for e in (~self.loaded).nonzero()[:, 0]})
+        missing = sorted(
+            {e for e in range(self.num_experts) for p in _PROJECTIONS if (e, p) not in self.parts}
+        )
+        if missing:
             raise ValueError(f"checkpoint is missing weights of experts {missing[:5]}")
+        experts = [[self.parts.pop((e, p)) for p in _PROJECTIONS] for e in range(self.num_experts)]
+        groups = {getattr(w, "group_size", None) for parts in experts for w in parts}
+        group = next(iter(groups))
+        if (
+            self.device.type == "cpu"
+            and all(isinstance(w, Int8Weight) for parts in experts for w in parts)
+            and len(groups) == 1
+            and self.hidden % group == 0
+            and self.inter % group == 0
+        ):
+            self.w13 = torch.stack([torch.cat([gate.q, up.q]) for gate, up, _ in experts])
+            self.w2 = torch.stack([down.q for _, _, down in experts])
+            s13 = torch.stack([torch.cat([gate.scale, up.scale]) for gate, up, _ in experts])
+            self.scales = (s13, torch.stack([down.scale for _, _, down in experts]))
+            return
+
+        def dense(weight: Weight) -> torch.Tensor:
+            weight = weight if isinstance(weight, torch.Tensor) else weight.dequantize()
+            return weight.to(self.dtype)
+
+        self.w13 = torch.stack([torch.cat([dense(gate), dense(up)]) for gate, up, _ in experts]).to(
+            self.device
+        )
+        self.w2 = torch.stack([dense(down) for _, _, down in experts]).to(self.device)
 
     @property
     def weight_bytes(self) -> int:
-        return self.w13.nbytes + self.w2.nbytes
+        return sum(t.nbytes for t in (self.w13, self.w2, *(self.scales or ())))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        out = fused_experts(x, self.w13, self.w2, weights, ids)
+        out = fused_experts(x, self.w13, self.w2, weights, ids, self.scales)
         return all_reduce(out) if self.tp_size > 1 else out
 
 
