@@ -4,6 +4,7 @@ theirs."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import subprocess
 import sys
@@ -39,3 +40,19 @@ def test_another_kernels_package_wins_from_the_checkouts_folder(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "True"
+
+
+def test_kernels_from_the_checkouts_folder_is_not_ours():
+    """`import kernels` from the checkout's folder, with this environment as it is: Hugging Face's package
+    where it is installed (transformers 5.25 and later require it), else our kernels/ folder only as a
+    namespace without code (it has no __init__.py), which any installed `kernels` outranks."""
+    code = "import kernels; print(getattr(kernels, '__file__', None))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    found = out.stdout.strip()
+    try:
+        importlib.metadata.distribution("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        assert found == "None"
+    else:
+        assert found != "None" and not Path(found).is_relative_to(ROOT), found
