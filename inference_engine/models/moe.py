@@ -73,8 +73,9 @@ _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 class FusedExperts(nn.Module):
     """Every expert of a layer, stacked for the fused kernels at `finalize`: w13 [E, 2I, H] (gate rows then
     up rows) and w2 [E, H, I], from the checkpoint's per-expert tensors (or transformers 5's fused ones).
-    Experts that all load as int8 with one group size (GGUF's Q8_0) stay int8 on the CPU, with their scales;
-    any other mix is dequantized to the model's dtype. With tensor parallelism each rank holds its slice of
+    Experts that all load as int8, gate/up with one group size and down with one (GGUF's Q8_0), stay int8 on
+    the CPU with their scales, as do dense experts under the engine's int8 quantization; any other mix is
+    dequantized to the model's dtype. With tensor parallelism each rank holds its slice of
     every expert's intermediate features (I / ranks, as a dense MLP is split) and the ranks' outputs are
     summed."""
 
@@ -108,21 +109,26 @@ class FusedExperts(nn.Module):
                 self.load_expert(expert, "gate_proj", weight[expert, :half])
                 self.load_expert(expert, "up_proj", weight[expert, half:])
 
-    def finalize(self) -> None:
+    def finalize(self, quantize_int8: bool = False) -> None:
         missing = sorted(
             {e for e in range(self.num_experts) for p in _PROJECTIONS if (e, p) not in self.parts}
         )
         if missing:
             raise ValueError(f"checkpoint is missing weights of experts {missing[:5]}")
         experts = [[self.parts.pop((e, p)) for p in _PROJECTIONS] for e in range(self.num_experts)]
-        groups = {getattr(w, "group_size", None) for parts in experts for w in parts}
-        group = next(iter(groups))
+        on_cpu = self.device.type == "cpu"
+        if quantize_int8 and on_cpu:
+            experts = [
+                [Int8Weight.quantize(w) if isinstance(w, torch.Tensor) else w for w in ws] for ws in experts
+            ]
+        groups13 = {getattr(w, "group_size", None) for gate, up, _ in experts for w in (gate, up)}
+        groups2 = {getattr(down, "group_size", None) for _, _, down in experts}
         if (
-            self.device.type == "cpu"
+            on_cpu
             and all(isinstance(w, Int8Weight) for parts in experts for w in parts)
-            and len(groups) == 1
-            and self.hidden % group == 0
-            and self.inter % group == 0
+            and len(groups13) == len(groups2) == 1
+            and self.hidden % next(iter(groups13)) == 0
+            and self.inter % next(iter(groups2)) == 0
         ):
             self.w13 = torch.stack([torch.cat([gate.q, up.q]) for gate, up, _ in experts])
             self.w2 = torch.stack([down.q for _, _, down in experts])
@@ -214,4 +220,4 @@ class MoeForCausalLM(LlamaForCausalLM):
         super().finalize(quantize_int8)
         for module in self.modules():
             if isinstance(module, FusedExperts):
-                module.finalize()
+                module.finalize(quantize_int8)

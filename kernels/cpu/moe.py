@@ -23,28 +23,8 @@ def fused_moe(
     """out [T, H] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) as `reference.fused_moe_ref`
     defines it (x [T, H], w13 [E, 2I, H] gate rows then up rows, w2 [E, H, I]); None where it can't run
     (no native library, another device or dtype). int8 weights come with `scales`: fp32 [E, 2I, H / g] and
-    [E, H, I / g], weight = scale * q over each group of g inputs; float weights in x's dtype."""
-    fn = function(
-        "moe_forward",
-        i32,
-        ptr,
-        ptr,
-        ptr,
-        ptr,
-        ptr,
-        ptr,
-        ptr,
-        ptr,
-        i32,
-        i32,
-        i32,
-        i32,
-        i32,
-        i32,
-        i32,
-        i32,
-        i32,
-    )
+    [E, H, I / g'], weight = scale * q over each group of g (g') inputs; float weights in x's dtype."""
+    fn = function("moe_forward", i32, *[ptr] * 8, *[i32] * 10)
     quantized = w13.dtype == torch.int8
     tensors = (x, w13, w2, *(scales or ()))
     if (
@@ -62,13 +42,14 @@ def fused_moe(
         raise ValueError(
             f"fused_moe: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} disagree"
         )
-    group = 0
+    groups = (0, 0)
     if quantized:
-        group = hidden // scales[0].shape[-1]
-        if scales[0].shape != (experts, double_inter, hidden // group) or scales[1].shape != (
-            experts,
-            hidden,
-            double_inter // 2 // group,
+        groups = (hidden // scales[0].shape[-1], double_inter // 2 // scales[1].shape[-1])
+        if (
+            scales[0].shape != (experts, double_inter, hidden // groups[0])
+            or scales[1].shape != (experts, hidden, double_inter // 2 // groups[1])
+            or hidden % groups[0]
+            or double_inter // 2 % groups[1]
         ):
             raise ValueError(f"fused_moe: scales {[tuple(s.shape) for s in scales]} do not group the weights")
     out = torch.empty_like(x)
@@ -92,7 +73,7 @@ def fused_moe(
         top_k,
         int(x.dtype == torch.bfloat16),
         _WEIGHTS[w13.dtype],
-        group,
+        *groups,
         torch.get_num_threads(),
     )
     if status != 0:

@@ -12,6 +12,8 @@ import torch
 from inference_engine import LLM, SamplingParams
 from inference_engine.model_loader import load_model
 from inference_engine.models.moe import FusedExperts
+from llmserve_kernels.quantized import Int8Weight
+from llmserve_kernels.reference import fused_moe_ref
 
 from . import moe_families
 from .conftest import assert_all_blocks_free
@@ -76,6 +78,25 @@ def test_fused_expert_tensors_load_as_per_expert_ones():
     per_expert.finalize()
     assert torch.equal(fused.w13, per_expert.w13) and torch.equal(fused.w2, per_expert.w2)
     assert torch.equal(fused.w13[:, :6], gate)
+
+
+def test_int8_quantization_keeps_experts_int8():
+    """The engine's int8 quantization quantizes each expert's rows (one scale per row) and the fused kernel
+    computes from them: the experts' output is that of the dequantized int8 values."""
+    gate, up, down = torch.randn(4, 32, 64), torch.randn(4, 32, 64), torch.randn(4, 64, 32)
+    experts = FusedExperts(4, 64, 32)
+    for e in range(4):
+        for projection, weight in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
+            experts.load_expert(e, projection, weight[e])
+    experts.finalize(quantize_int8=True)
+    assert experts.w13.dtype == experts.w2.dtype == torch.int8
+    assert experts.weight_bytes == 4 * 3 * 32 * 64 + 4 * (2 * 32 + 64) * 4  # int8 weights, a scale per row
+    x, (weights, ids) = torch.randn(5, 64), torch.rand(5, 4).topk(2)
+    dense = [
+        torch.stack([Int8Weight.quantize(w[e]).dequantize() for e in range(4)]) for w in (gate, up, down)
+    ]
+    expected = fused_moe_ref(x, torch.cat(dense[:2], dim=1), dense[2], weights, ids)
+    torch.testing.assert_close(experts(x, weights, ids), expected, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize(

@@ -57,18 +57,20 @@ def test_cpu_fused_moe_one_expert_takes_every_token(gen):
 @pytest.mark.parametrize(
     ("tokens", "experts", "top_k"), [(1, 8, 2), (3, 64, 8), (17, 8, 1), (64, 64, 2), (300, 8, 2)]
 )
-def test_cpu_fused_moe_int8_experts_match_reference(gen, tokens, experts, top_k, dtype):
-    """int8 experts with a scale per 32 inputs (GGUF's Q8_0), against the reference on their dequantized
-    values: decode-sized groups read them as stored, larger ones widen each block first."""
+@pytest.mark.parametrize(("group13", "group2"), [(32, 32), (64, 96)])
+def test_cpu_fused_moe_int8_experts_match_reference(gen, tokens, experts, top_k, dtype, group13, group2):
+    """int8 experts with a scale per group of inputs (32: GGUF's Q8_0; one per row: the engine's int8),
+    against the reference on their dequantized values: decode-sized groups read them as stored, larger
+    ones widen each block first."""
     x, _, _, weights, ids = _problem(gen, tokens, experts, top_k, dtype)
-    hidden, inter, group = 64, 96, 32
+    hidden, inter = 64, 96
     q13 = torch.randint(-127, 128, (experts, 2 * inter, hidden), generator=gen, dtype=torch.int8)
     q2 = torch.randint(-127, 128, (experts, hidden, inter), generator=gen, dtype=torch.int8)
-    s13 = torch.rand(experts, 2 * inter, hidden // group, generator=gen) / 127 / hidden**0.5
-    s2 = torch.rand(experts, hidden, inter // group, generator=gen) / 127 / inter**0.5
+    s13 = torch.rand(experts, 2 * inter, hidden // group13, generator=gen) / 127 / hidden**0.5
+    s2 = torch.rand(experts, hidden, inter // group2, generator=gen) / 127 / inter**0.5
     out = cpu_fused_moe(x, q13, q2, weights, ids, scales=(s13, s2))
-    w13 = q13.float() * s13.repeat_interleave(group, -1)
-    w2 = q2.float() * s2.repeat_interleave(group, -1)
+    w13 = q13.float() * s13.repeat_interleave(group13, -1)
+    w2 = q2.float() * s2.repeat_interleave(group2, -1)
     _check(out, fused_moe_ref(x, w13, w2, weights, ids))
 
 

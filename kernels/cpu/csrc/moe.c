@@ -10,8 +10,8 @@
 #define MOE_ROWS 16        /* weight rows per work item */
 #define MOE_WIDEN_TOKENS 8 /* a bf16 or int8 block is widened to fp32 once for at least this many tokens */
 
-/* How the expert weights are stored: fp32, bf16, or int8 with an fp32 scale per group of `group` inputs
- * (w = scale * q: GGUF's Q8_0, group 32). */
+/* How the expert weights are stored: fp32, bf16, or int8 with an fp32 scale per group of inputs
+ * (w = scale * q: GGUF's Q8_0, group 32; the engine's int8 quantization, one group per row). */
 enum moe_weight { MOE_F32, MOE_BF16, MOE_INT8 };
 
 /* A block of `rows` weight rows of length n, and (int8) its scales [rows, n / group]. */
@@ -109,11 +109,11 @@ static int moe_items(const int *start, int experts, int rows, int *item_expert, 
 /* out [tokens, hidden] = sum_j weights[t, j] * expert_{ids[t, j]}(x[t]), where expert_e(x) =
  * w2[e] (silu(gate_e x) * up_e x), w13 [experts, 2 * inter, hidden] holding gate's rows then up's, and
  * w2 [experts, hidden, inter], stored as `wtype` says (int8: with scales s13 [experts, 2 * inter, hidden /
- * group] and s2 [experts, hidden, inter / group]; else both null). x and out are bf16 where `bf16`, else fp32;
+ * group13] and s2 [experts, hidden, inter / group2]; else both null). x and out are bf16 where `bf16`, else fp32;
  * ids [tokens, top_k] in [0, experts). Returns 0, or -1 without memory for the scratch buffers. */
 int moe_forward(const void *x, const void *w13, const void *w2, const float *s13, const float *s2,
                 const int32_t *ids, const float *weights, void *out, int tokens, int hidden, int inter,
-                int experts, int top_k, int bf16, int wtype, int group, int num_threads) {
+                int experts, int top_k, int bf16, int wtype, int group13, int group2, int num_threads) {
     long pairs = (long)tokens * top_k;
     int rows_max = (inter > hidden ? inter : hidden) + MOE_ROWS;
     size_t elem = wtype == MOE_F32 ? 4 : wtype == MOE_BF16 ? 2 : 1;
@@ -150,9 +150,9 @@ int moe_forward(const void *x, const void *w13, const void *w2, const float *s13
         if (gu && x) {
             size_t gate_row = (size_t)e * 2 * inter + r0, up_row = gate_row + inter;
             struct moe_rows gate = {(const char *)w13 + gate_row * hidden * elem,
-                                    s13 ? s13 + gate_row * (hidden / group) : 0, wtype, group};
+                                    s13 ? s13 + gate_row * (hidden / group13) : 0, wtype, group13};
             struct moe_rows up = {(const char *)w13 + up_row * hidden * elem,
-                                  s13 ? s13 + up_row * (hidden / group) : 0, wtype, group};
+                                  s13 ? s13 + up_row * (hidden / group13) : 0, wtype, group13};
             for (int c = 0; c < count; c++) x[c] = xf + (long)(order[start[e] + c] / top_k) * hidden;
             if (moe_project(&gate, rows, hidden, x, count, gu, 2 * rows) ||
                 moe_project(&up, rows, hidden, x, count, gu + rows, 2 * rows))
@@ -174,8 +174,8 @@ int moe_forward(const void *x, const void *w13, const void *w2, const float *s13
         int count = start[e + 1] - start[e];
         const float **x = malloc(sizeof(float *) * count);
         size_t down_row = (size_t)e * hidden + r0;
-        struct moe_rows down = {(const char *)w2 + down_row * inter * elem, s2 ? s2 + down_row * (inter / group) : 0,
-                                wtype, group};
+        struct moe_rows down = {(const char *)w2 + down_row * inter * elem, s2 ? s2 + down_row * (inter / group2) : 0,
+                                wtype, group2};
         if (x) {
             for (int c = 0; c < count; c++) x[c] = act + (long)(start[e] + c) * inter;
             failed |= moe_project(&down, rows, inter, x, count, y + (long)start[e] * hidden + r0, hidden) != 0;
