@@ -2,6 +2,11 @@
 token counts 1 to 300, 8 and 64 experts, top-1/2/8. Experts that no token chose hold NaN weights, so a kernel
 that reads them (or lets them into a sum) fails; with 64 experts and few tokens most experts are such."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -105,3 +110,42 @@ def test_triton_pairs_are_sorted_and_block_aligned(device):
     pad = 6
     assert sorted_pairs.tolist() == [1, 4, 3, pad, 0, 2, 5, pad]  # experts 0, 1, 3; expert 2 owns no block
     assert block_expert.tolist() == [0, 1, 3, 3]
+
+
+_COMPILE = """
+import torch
+from llmserve_kernels.triton.compile_check import check
+from llmserve_kernels.triton.fused_moe import fused_moe
+
+def case(tokens, experts, top_k, hidden, inter, dtype):
+    def launch():
+        x = torch.randn(tokens, hidden).to(dtype)
+        w13 = torch.empty(experts, 2 * inter, hidden, dtype=dtype)
+        w2 = torch.empty(experts, hidden, inter, dtype=dtype)
+        weights, ids = torch.rand(tokens, experts).topk(top_k)
+        fused_moe(x, w13, w2, weights, ids)
+    return launch
+
+# Qwen3-30B-A3B's experts at decode and prefill sizes (both row blocks), and fp32
+print("\\n".join(check([
+    ("bf16 T=1", case(1, 128, 8, 2048, 768, torch.bfloat16)),
+    ("bf16 T=4096", case(4096, 128, 8, 2048, 768, torch.bfloat16)),
+    ("fp32 T=64", case(64, 8, 2, 1024, 512, torch.float32)),
+])))
+"""
+
+
+def test_triton_fused_moe_compiles_for_sm90_without_spills():
+    """The interpreter cannot tell whether the kernels compile for the GPU: `compile_check` compiles them
+    through the launcher for sm_90 with Triton's bundled ptxas, in a process without TRITON_INTERPRET."""
+    triton = pytest.importorskip("triton")
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    if not (tools / "ptxas").exists() or not (tools / "cuobjdump").exists():
+        pytest.skip("this Triton build bundles no CUDA ptxas / cuobjdump")
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    assert len(lines) == 6 and all(line.startswith("ok") for line in lines), run.stdout
