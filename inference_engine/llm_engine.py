@@ -27,7 +27,14 @@ from inference_engine.detokenizer import IncrementalDetokenizer
 from inference_engine.errors import EngineError, EngineOverloadedError, InvalidRequestError
 from inference_engine.model_loader import load_configured_model
 from inference_engine.model_runner import StepOutput
-from inference_engine.outputs import CompletionOutput, Logprob, RequestOutput
+from inference_engine.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    RequestOutput,
+)
+from inference_engine.pooling import Pooler, PoolingParams, check_pooling_prompt, checkpoint_folder
 from inference_engine.runners import make_runner
 from inference_engine.sampler import Sampler, SampleResult, TokenBitmask
 from inference_engine.sampling_params import SamplingParams
@@ -63,6 +70,9 @@ class LLMEngine:
             self.tokenizer.eos_token_ids,
             self.runner.burst_rows,
         )
+        # Embeddings: every engine pools (its prompts share the batch with generation); a pooling runner's
+        # engine does nothing else.
+        self.pooler = Pooler.build(config.pooler_config, checkpoint_folder(config), loaded.config.hidden_size)
         self.proposer: NgramProposer | None = None
         if config.speculative_config:
             quantized = loaded.quantization != "none"
@@ -117,7 +127,7 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: str | list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         priority: int = 0,
         arrival_time: float | None = None,
     ) -> list[int]:
@@ -135,6 +145,8 @@ class LLMEngine:
             text, token_ids = None, [int(t) for t in prompt]
             if any(not 0 <= t < self.tokenizer.vocab_size for t in token_ids):
                 raise InvalidRequestError("prompt token ids must be in [0, vocab_size).")
+        if isinstance(params, PoolingParams) or self.config.runner == "pooling":
+            return self._add_pooling(request_id, text, token_ids, params, priority, arrival_time)
         if params.truncate_prompt_tokens is not None:  # vLLM's: keep the prompt's last tokens
             keep = params.truncate_prompt_tokens
             if keep == -1:  # as many as fit beside the answer
@@ -158,6 +170,36 @@ class LLMEngine:
             self.scheduler.add(seq)
         else:
             self._preparing[request_id] = (group, grammar)
+        return token_ids
+
+    def _add_pooling(
+        self,
+        request_id: str,
+        text: str | None,
+        token_ids: list[int],
+        params: SamplingParams | PoolingParams,
+        priority: int,
+        arrival_time: float | None,
+    ) -> list[int]:
+        """An embedding request (see `pooling`): its prompt is prefilled and pooled, nothing generated."""
+        if not isinstance(params, PoolingParams):
+            raise InvalidRequestError(
+                "this model serves embeddings (runner 'pooling'); it does not generate text."
+            )
+        if params.truncate_prompt_tokens is not None:  # as for generation: keep the prompt's last tokens
+            keep = (
+                self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+            )
+            text, token_ids = None, token_ids[-keep:]
+        capacity = (self.block_manager.num_blocks - self.scheduler.watermark) * self.config.block_size
+        check_pooling_prompt(len(token_ids), self.max_model_len, capacity)
+        # max_tokens=1: nothing (a draft proposer, a burst) plans work past the prompt.
+        group = SequenceGroup(
+            request_id, text, token_ids, SamplingParams(max_tokens=1), priority, arrival_time or time.time()
+        )
+        group.pooling = self.pooler.state(params, len(token_ids))
+        self.groups[request_id] = group
+        self.scheduler.add(self._new_sequence(group, token_ids, index=0))
         return token_ids
 
     def preparing(self, request_id: str) -> bool:
@@ -313,7 +355,19 @@ class LLMEngine:
         allowed = (
             dict(zip(constrained, self.structured.masks(masks), strict=True)) if masks is not None else None
         )
-        return self._sample(out, allowed)
+        return self._sample(out, allowed) + self._pool(out, sched)
+
+    def _pool(self, out: StepOutput, sched: SchedulerOutput) -> list[tuple[Sequence, list[SampleResult]]]:
+        """Adds the step's pooled hidden rows to their requests. The pooling sequences whose prompt this step
+        completes finish (their vector is ready), with no token: post-processing frees them."""
+        for seq, start, part in out.pooled:
+            seq.group.pooling.add(part, start)
+        done = []
+        for seq, n in zip(sched.seqs, sched.num_new_tokens, strict=True):
+            if seq.group.pooling is not None and seq.num_computed_tokens + n == len(seq):
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "stop"
+                done.append((seq, []))
+        return done
 
     def _sample(
         self, out: StepOutput, masks: dict[Sequence, torch.Tensor] | None = None
@@ -378,7 +432,17 @@ class LLMEngine:
         self._maybe_log_stats()
         return outputs
 
-    def _request_output(self, group: SequenceGroup) -> RequestOutput:
+    def _request_output(self, group: SequenceGroup) -> RequestOutput | EmbeddingRequestOutput:
+        if group.pooling is not None:
+            done = group.is_finished and group.seqs[0].finish_reason == "stop"
+            return EmbeddingRequestOutput(
+                request_id=group.request_id,
+                prompt=group.prompt,
+                prompt_token_ids=group.prompt_token_ids,
+                outputs=EmbeddingOutput(group.pooling.embedding()) if done else None,
+                finished=group.is_finished,
+                metrics=group.metrics,
+            )
         completions = []
         for seq in sorted(group.seqs, key=lambda s: s.index):
             completions.append(

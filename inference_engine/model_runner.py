@@ -9,7 +9,7 @@ swap space on CUDA: cuda_runner.py) sits in the hooks those runners override; `r
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,6 +20,7 @@ from inference_engine.config import EngineConfig
 from inference_engine.model_loader import LoadedModel
 from inference_engine.models import MODEL_CLASSES
 from inference_engine.outputs import Logprob
+from inference_engine.pooling import pool_rows, split_pooling
 from inference_engine.sampler import top_logprobs
 from inference_engine.scheduler import SchedulerOutput
 from inference_engine.sequence import Sequence
@@ -79,6 +80,7 @@ class StepPlan:
     block_copies: list[tuple[int, int]]
     step: PreparedStep
     prompt_rows: list[int]
+    pool_spans: list[tuple[int, int]] = field(default_factory=list)  # hidden rows pooling sequences read
 
     def for_other_ranks(self) -> StepPlan:
         """A copy to broadcast: tensors cut out of the persistent buffers (a view would pickle the
@@ -118,6 +120,8 @@ class StepOutput:
     sample_seqs: list[Sequence]  # sequences whose next token must be sampled, in row order
     logits: torch.Tensor  # [len(sample_seqs), vocab], fp32 on the model's device
     prompt_logprobs: dict[Sequence, list[dict[int, Logprob]]]  # for this step's prompt positions
+    # Pooling sequences: (sequence, its chunk's first position, the fp32 sum of the hidden rows it reads)
+    pooled: list[tuple[Sequence, int, torch.Tensor]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -246,18 +250,22 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> StepOutput:
         """Rank 0: runs one scheduled step (on every rank) and returns what the sampler needs."""
         step = self.inputs.prepare(sched)
+        pooling = split_pooling(sched.seqs, step)
         prompt_rows, prompt_targets = self._prompt_rows(sched, step)
         plan = StepPlan(sched.swap_out, sched.swap_in, sched.block_copies, step, prompt_rows)
+        plan.pool_spans = [rows for _, _, rows in pooling]
         if self.workers is not None:
             self.workers.send(plan.for_other_ranks())
-        logits, prompt_logits = self.run(plan)
+        logits, prompt_logits, pooled = self.run(plan)
         prompt_logprobs = {}
         for seq, (lo, hi, first, k) in prompt_targets.items():
             logprobs = torch.log_softmax(prompt_logits[lo:hi].float(), -1).cpu()
             prompt_logprobs[seq] = [
                 top_logprobs(logprobs[i], seq.token_ids[first + i + 1], k) for i in range(hi - lo)
             ]
-        return StepOutput(step.sample_seqs, logits, prompt_logprobs)
+        parts = pooled.cpu() if pooled is not None else []
+        pooled = [(seq, start, part) for (seq, start, _), part in zip(pooling, parts, strict=True)]
+        return StepOutput(step.sample_seqs, logits, prompt_logprobs, pooled)
 
     @property
     def burst_rows(self) -> int:
@@ -265,9 +273,9 @@ class ModelRunner:
         return 0
 
     @torch.inference_mode()
-    def run(self, plan: StepPlan) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def run(self, plan: StepPlan) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """Every rank: the cache copies, the forward pass and the logits of the sampled and prompt rows
-        (rank 0 gets them, on its device, the others None)."""
+        (rank 0 gets them, on its device, the others None), and the pooled hidden rows (`pool_rows`)."""
         # Swap-outs first: their device blocks may be handed to other sequences in this very step.
         for device_block, cpu_block in plan.swap_out:
             self.cpu_kv_cache[cpu_block].copy_(self.kv_cache[:, :, device_block], non_blocking=True)
@@ -282,13 +290,14 @@ class ModelRunner:
         hidden = self._forward(step)
         # Sampled rows are distinct and in order, so as many as the step has rows are all of them (a decode).
         sampled = hidden if len(step.sample_rows) == len(hidden) else hidden[step.sample_rows]
-        logits = self.model.compute_logits(sampled)
+        logits = self.model.compute_logits(sampled) if step.sample_rows else None
         # fp32 for the sampler (also where all rows are greedy: argmax over bf16 is the slower one on a CPU,
         # see benchmarks/results/kernel-and-runner-timings.md), on the model's device: the sampler brings
         # back only token ids.
         logits = None if logits is None else logits.float()
         prompt_logits = self.model.compute_logits(hidden[plan.prompt_rows]) if plan.prompt_rows else None
-        return logits, prompt_logits
+        pooled = pool_rows(hidden, plan.pool_spans) if plan.pool_spans else None
+        return logits, prompt_logits, pooled
 
     def _prompt_rows(self, sched: SchedulerOutput, step: PreparedStep):
         """Rows whose logits score the next prompt token, for requests that asked for prompt logprobs:

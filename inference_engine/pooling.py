@@ -24,6 +24,10 @@ from inference_engine.errors import InvalidRequestError
 if TYPE_CHECKING:
     import torch
 
+    from inference_engine.config import EngineConfig
+    from inference_engine.sequence import Sequence
+    from inference_engine.step_inputs import PreparedStep
+
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 
 # sentence-transformers' Pooling config: which of its modes we run, by the flag that selects it.
@@ -139,6 +143,20 @@ def sentence_transformers_defaults(checkpoint: str | Path) -> PoolerConfig:
     return PoolerConfig(pooling_type=pooling_type, normalize="Normalize" in kinds)
 
 
+def checkpoint_folder(config: EngineConfig) -> Path | None:
+    """The Hugging Face folder the engine's model is (a hub id's snapshot), where its sentence-transformers
+    files and config.json are; None for a GGUF file or the bundled default."""
+    if config.model is None or config.gguf_file is not None:
+        return None
+    path = Path(config.model).expanduser()
+    if path.exists():
+        return path if path.is_dir() else None
+    from inference_engine.model_loader import hub  # the model loaded from there: this finds it in the cache
+
+    folder = hub.resolve_model(config.model, revision=config.revision, download_dir=config.download_dir)
+    return folder if folder.is_dir() else None
+
+
 def matryoshka_dimensions(checkpoint: str | Path | None) -> tuple[bool, list[int] | None]:
     """Whether the model's config.json declares Matryoshka embeddings (`is_matryoshka` or
     `matryoshka_dimensions`, as vLLM reads them), and the sizes it lists (None: any)."""
@@ -160,8 +178,8 @@ class Pooler:
     matryoshka_dimensions: list[int] | None = None
 
     @classmethod
-    def build(cls, pooler_config: dict | None, checkpoint: str | Path | None, hidden_size: int) -> Pooler:
-        folder = checkpoint if checkpoint and Path(checkpoint).is_dir() else None
+    def build(cls, pooler_config: dict | None, folder: Path | None, hidden_size: int) -> Pooler:
+        """`folder`: the checkpoint's (`checkpoint_folder`), None where there is none."""
         resolved = PoolerConfig.of(pooler_config).resolve(folder)
         pooler = cls(resolved, hidden_size, *matryoshka_dimensions(folder))
         if resolved.dimensions is not None:
@@ -253,3 +271,20 @@ def check_pooling_prompt(num_tokens: int, max_model_len: int, capacity: int) -> 
             f"The input needs {num_tokens} tokens of KV cache but the engine's whole cache holds {capacity}.",
             param="input",
         )
+
+
+def split_pooling(seqs: list[Sequence], step: PreparedStep) -> list[tuple[Sequence, int, tuple[int, int]]]:
+    """The pooling sequences' share of a prepared step of `seqs`: (sequence, its chunk's first position, the
+    rows of the step's hidden states its pooling reads). They sample nothing: their rows leave the sampled."""
+    spans, row = [], 0
+    for seq, count, start in zip(seqs, step.meta.query_lens, step.meta.context_lens, strict=True):
+        state = seq.group.pooling
+        if state is not None and (rows := state.rows(start, count)) is not None:
+            spans.append((seq, start, (row + rows[0], row + rows[1])))
+        row += count
+    if any(seq.group.pooling is not None for seq in step.sample_seqs):
+        kept = [
+            (r, s) for r, s in zip(step.sample_rows, step.sample_seqs, strict=True) if s.group.pooling is None
+        ]
+        step.sample_rows, step.sample_seqs = [r for r, _ in kept], [s for _, s in kept]
+    return spans

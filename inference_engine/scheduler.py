@@ -167,8 +167,8 @@ class Scheduler:
                     break
                 out.swap_in += self.block_manager.swap_in(seq)
             else:
-                if seq.group.params.prompt_logprobs is None:
-                    self.block_manager.match_prefix(seq)
+                if seq.group.params.prompt_logprobs is None and seq.group.pooling is None:
+                    self.block_manager.match_prefix(seq)  # (pooling reads every prompt position)
                 n = min(len(seq) - seq.num_computed_tokens, n)  # the prefix match may have covered some
                 if not self.block_manager.can_append(seq, n, reserve=self.watermark):
                     self.block_manager.free_seq(seq)  # undo the prefix match; retry next step
@@ -257,7 +257,8 @@ class Scheduler:
                 seq.num_computed_tokens = len(seq) - 1  # rewritten by later steps
                 self.block_manager.trim(seq, len(seq))
             seq.draft_token_ids = []
-            self.block_manager.register_full_blocks(seq)
+            if seq.group.pooling is None:  # a pooling request's blocks are freed when it ends, never cached
+                self.block_manager.register_full_blocks(seq)
         for seq in finished:
             self.remove(seq)
         return finished

@@ -18,6 +18,7 @@ from inference_engine.outputs import Logprob, RequestMetrics
 from inference_engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from inference_engine.pooling import PoolingState
     from inference_engine.structured_outputs.engine import GrammarMatcher
 
 
@@ -93,6 +94,7 @@ class SequenceGroup:
     seqs: list[Sequence] = field(default_factory=list)
     metrics: RequestMetrics | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    pooling: PoolingState | None = None  # an embedding request: its prompt is pooled, nothing sampled
 
     def __post_init__(self) -> None:
         if self.metrics is None:
