@@ -150,19 +150,8 @@ def test_the_walk_sees_lazy_imports_and_skips_type_checking_ones():
     assert cycles({"x": {"y"}, "y": {"z"}, "z": {"x"}, "w": {"x"}}) == [["x", "y", "z", "x"]]
 
 
-# Imports in circles still to break (issue 65), each an import its owner is to remove. The test fails when one
-# is gone and still listed here.
-NOT_YET_CUT = {
-    # The architecture lookup goes through the model families, which import ModelConfig from model_loader.
-    ("inference_engine.model_loader.hf_config", "inference_engine.models"),
-}
-
-
 def test_no_import_circles():
     graph = import_graph()
     assert len(graph) > 100  # the walk found the packages
-    for module, imported in NOT_YET_CUT:
-        assert imported in graph[module], f"{module} no longer imports {imported}: strike it off NOT_YET_CUT"
-        graph[module].discard(imported)
     found = cycles(graph)
     assert not found, "import circles (one through each group):\n" + "\n".join(" -> ".join(c) for c in found)

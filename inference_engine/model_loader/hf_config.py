@@ -7,10 +7,8 @@ wrong.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from inference_engine.layers.rotary import ROPE_TYPES
-from inference_engine.model_loader import ModelConfig
+from inference_engine.model_config import ModelConfig, MoEModelConfig
 
 # Config fields that change the computation and that no family here implements, with the value that is
 # harmless (anything else is refused).
@@ -25,39 +23,6 @@ _UNSUPPORTED = {
 # Read by the mixture-of-experts families (`MoEModelConfig`); router_aux_loss_coef, output_router_logits and
 # router_jitter_noise only shape training.
 _MOE_ARCHITECTURES = {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"}
-
-
-@dataclass
-class MoEModelConfig(ModelConfig):
-    """`ModelConfig` with the mixture-of-experts fields: each MoE layer routes a token to
-    `num_experts_per_tok` of `num_experts` SiLU-gated experts of width `moe_intermediate_size` (and, with
-    `shared_expert_intermediate_size`, one shared expert every token goes through, Qwen2-MoE); the layers
-    in `dense_layers` keep a dense MLP of `intermediate_size`."""
-
-    num_experts: int = 0
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
-    shared_expert_intermediate_size: int = 0
-    dense_layers: list[int] = field(default_factory=list)
-
-    def is_moe_layer(self, layer: int) -> bool:
-        return layer not in self.dense_layers
-
-    @property
-    def layer_linear_parameters(self) -> int:
-        """Weights one token multiplies by in an MoE layer: attention, the router, its k experts and the
-        shared expert (the other experts are not read for it)."""
-        dense_mlp = 3 * self.hidden_size * self.intermediate_size
-        routed = self.num_experts_per_tok * 3 * self.hidden_size * self.moe_intermediate_size
-        shared = 3 * self.hidden_size * self.shared_expert_intermediate_size + self.hidden_size
-        return (
-            super().layer_linear_parameters
-            - dense_mlp
-            + routed
-            + shared
-            + self.num_experts * self.hidden_size
-        )
 
 
 def _moe_fields(arch: str, raw: dict) -> dict:

@@ -13,7 +13,7 @@ import torch
 from inference_engine.attention import AttentionMetadata
 from inference_engine.layers.linear import Weight
 from inference_engine.layers.norm import RMSNorm
-from inference_engine.model_loader import ModelConfig
+from inference_engine.model_config import ModelConfig
 from inference_engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 

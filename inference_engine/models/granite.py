@@ -12,7 +12,7 @@ from dataclasses import replace
 import torch
 
 from inference_engine.layers.linear import Weight
-from inference_engine.model_loader import ModelConfig
+from inference_engine.model_config import ModelConfig
 from inference_engine.models.llama import LlamaForCausalLM
 
 

@@ -29,7 +29,7 @@ from inference_engine.layers.linear import (
 )
 from inference_engine.layers.norm import RMSNorm, triton_fused
 from inference_engine.layers.rotary import RotaryEmbedding
-from inference_engine.model_loader import ModelConfig
+from inference_engine.model_config import ModelConfig
 from llmserve_kernels.cpu import fused as cpu_fused
 from llmserve_kernels.cpu.linear import NATIVE_STEP_ROWS
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from inference_engine.distributed import all_reduce, tp_rank, tp_size
 from inference_engine.layers.linear import Weight
-from inference_engine.model_loader.hf_config import MoEModelConfig
+from inference_engine.model_config import MoEModelConfig
 from inference_engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from llmserve_kernels.cpu import moe as cpu_moe
 from llmserve_kernels.quantized import Int8Weight

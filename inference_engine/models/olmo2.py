@@ -8,7 +8,7 @@ from torch import nn
 
 from inference_engine.attention import AttentionMetadata
 from inference_engine.layers.norm import RMSNorm
-from inference_engine.model_loader import ModelConfig
+from inference_engine.model_config import ModelConfig
 from inference_engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 
 
