@@ -42,7 +42,7 @@ COPY --chown=llmserve:llmserve scripts/setup scripts/
 ARG PIP_EXTRA_INDEX_URL
 ARG PIP_FIND_LINKS
 ARG PIP_CERT
-RUN for package in llmserve inference_engine hostproject; do \
+RUN for package in llmserve inference_engine; do \
         mkdir "$package" && touch "$package/__init__.py"; \
     done \
     && mkdir kernels \

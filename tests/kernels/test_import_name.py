@@ -1,11 +1,12 @@
 """The kernels' import name is ours, `llmserve_kernels`: a top-level `kernels` is Hugging Face's package
 (which transformers imports), and installing llmserve or running from the checkout's folder must not hide
-theirs."""
+theirs. Nor is a generic `hostproject` installed: the repository's host project runs from the checkout."""
 
 from __future__ import annotations
 
 import importlib.metadata
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -14,17 +15,30 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_the_wheel_installs_llmserve_kernels_and_no_kernels(tmp_path):
-    build = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
-    subprocess.run(
-        [*build, "-w", tmp_path, ROOT],
+def _source_copy(target: Path) -> Path:
+    """The checkout's files (tracked, and new ones git does not ignore), without its build/ folder, where an
+    earlier build's packages linger and would go into the wheel."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
         check=True,
         capture_output=True,
     )
+    for name in filter(None, listed.stdout.decode().split("\0")):
+        if (ROOT / name).is_file():
+            (target / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, target / name)
+    return target
+
+
+def test_the_wheel_installs_only_names_of_ours(tmp_path):
+    source = _source_copy(tmp_path / "source")
+    build = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
+    subprocess.run([*build, "-w", tmp_path, source], check=True, capture_output=True)
     (wheel,) = tmp_path.glob("llmserve-*.whl")
     tops = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
     assert {"llmserve", "inference_engine", "llmserve_kernels"} <= tops
-    assert "kernels" not in tops
+    assert not {"kernels", "hostproject"} & tops
     names = zipfile.ZipFile(wheel).namelist()
     assert "llmserve_kernels/cpu/csrc/decoder.c" in names  # compiled on the user's machine
 
