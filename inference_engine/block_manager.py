@@ -77,7 +77,7 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.block_table:
             return 0
         self.num_cache_queries += len(seq.token_ids)
-        parent = 0
+        parent = _root(seq)
         for start in range(0, len(seq.token_ids) - self.block_size, self.block_size):
             key = (parent, tuple(seq.token_ids[start : start + self.block_size]))
             block = self.cached.get(key)
@@ -99,7 +99,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         for i in range(len(seq.block_hashes), seq.num_computed_tokens // self.block_size):
-            parent = seq.block_hashes[-1] if seq.block_hashes else 0
+            parent = seq.block_hashes[-1] if seq.block_hashes else _root(seq)
             key = (parent, tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size]))
             seq.block_hashes.append(hash(key))
             block = seq.block_table[i]
@@ -179,3 +179,10 @@ class BlockManager:
             self.block_keys[block] = None
         self.ref_counts[block] = 1
         return block
+
+
+def _root(seq: Sequence) -> int:
+    """The parent hash of a sequence's first block: its LoRA adapter's, so that blocks of the same tokens
+    computed under different adapters (different K/V) never match; 0 for the base model."""
+    lora_id = seq.group.lora_int_id
+    return hash(("lora", lora_id)) if lora_id else 0

@@ -18,6 +18,7 @@ from inference_engine.attention.torch_backend import native_query_max
 from inference_engine.layers.linear import LinearBase
 from inference_engine.model_runner import ModelRunner
 from inference_engine.scheduler import SchedulerOutput
+from inference_engine.step_inputs import PreparedStep
 from llmserve_kernels.cpu import linear as cpu_linear
 from llmserve_kernels.cpu.huge_pages import zeros_on_huge_pages
 
@@ -69,6 +70,17 @@ class CPURunner(ModelRunner):
         attn, threads = self.model.model.layers[0].self_attn, torch.get_num_threads()
         native_query_max(attn.num_heads, attn.num_kv_heads, attn.head_dim, self.dtype, threads)
         self.model.use_native_decoder()
+
+    def _forward(self, step: PreparedStep) -> torch.Tensor:
+        """A step with any LoRA adapter runs layer by layer: the native decoder does not know adapters."""
+        native = self.model.model.native
+        if native is None or self.lora is None or self.lora.batch.slots is None:
+            return super()._forward(step)
+        self.model.model.native = None
+        try:
+            return super()._forward(step)
+        finally:
+            self.model.model.native = native
 
     @property
     def burst_rows(self) -> int:

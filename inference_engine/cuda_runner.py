@@ -51,7 +51,9 @@ class CUDARunner(ModelRunner):
         torch.cuda.current_stream(self.device).synchronize()
 
     def _forward(self, step: PreparedStep) -> torch.Tensor:
-        if self.graphs is not None and (size := self.graphs.size_for(step)) is not None:
+        # Graphs were captured without adapters: a step with any LoRA adapter runs eagerly.
+        lora_step = self.lora is not None and self.lora.batch.slots is not None
+        if self.graphs is not None and not lora_step and (size := self.graphs.size_for(step)) is not None:
             return self.graphs.run(step, size)
         return self.model(step.input_ids, step.positions, step.meta)
 

@@ -31,6 +31,7 @@ import torch
 from inference_engine.config import EngineConfig
 from inference_engine.distributed import thread_placement_kept
 from inference_engine.llm_engine import LLMEngine
+from inference_engine.lora.request import LoRARequest
 from inference_engine.outputs import RequestOutput
 from inference_engine.sampling_params import SamplingParams
 from llmserve_kernels.cpu.team import spread_team
@@ -50,6 +51,7 @@ class Request:
     prompt: str | list[int]
     params: SamplingParams
     priority: int = 0
+    lora_request: LoRARequest | None = None
 
 
 def on_a_thread_that_ends(fn: Callable[[], T]) -> T:
@@ -89,7 +91,9 @@ class EngineLoop:
             added = []
             try:
                 for r in requests:
-                    self.engine.add_request(r.request_id, r.prompt, r.params, priority=r.priority)
+                    self.engine.add_request(
+                        r.request_id, r.prompt, r.params, priority=r.priority, lora_request=r.lora_request
+                    )
                     self._sinks[r.request_id] = sink
                     added.append(r.request_id)
             except BaseException:

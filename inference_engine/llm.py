@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 from inference_engine.config import EngineConfig
 from inference_engine.engine_loop import EngineLoop, Request
 from inference_engine.llm_engine import LLMEngine
+from inference_engine.lora.request import LoRARequest
 from inference_engine.outputs import EmbeddingRequestOutput, RequestOutput
 from inference_engine.pooling import PoolingParams
 from inference_engine.sampling_params import SamplingParams
@@ -48,19 +49,26 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., tqdm] = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generates for every prompt at once (continuously batched); returns outputs in input order.
 
         A prompt is a string, a list of token ids, or {"prompt": ...} / {"prompt_token_ids": [...]}.
-        `use_tqdm` may also be a callable that makes the progress bar, as in vLLM.
+        `use_tqdm` may also be a callable that makes the progress bar, as in vLLM. `lora_request`: the
+        LoRA adapter of every prompt, or a list with one per prompt (None: the base model).
         """
         prompts = _prompt_list(prompts)
         params = sampling_params or SamplingParams()
         params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts.")
+        loras = (
+            list(lora_request) if isinstance(lora_request, list | tuple) else [lora_request] * len(prompts)
+        )
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts.")
         requests = [
-            Request(str(next(self._ids)), prompt_of(prompt), p, priority[i] if priority else 0)
+            Request(str(next(self._ids)), prompt_of(prompt), p, priority[i] if priority else 0, loras[i])
             for i, (prompt, p) in enumerate(zip(prompts, params_list, strict=True))
         ]
         return self._run(requests, use_tqdm)

@@ -25,6 +25,7 @@ from inference_engine.block_manager import BlockManager
 from inference_engine.config import EngineConfig
 from inference_engine.detokenizer import IncrementalDetokenizer
 from inference_engine.errors import EngineError, EngineOverloadedError, InvalidRequestError
+from inference_engine.lora.request import LoRARequest
 from inference_engine.model_loader import load_configured_model
 from inference_engine.model_runner import StepOutput
 from inference_engine.outputs import (
@@ -86,6 +87,9 @@ class LLMEngine:
         self.groups: dict[str, SequenceGroup] = {}
         self._preparing: dict[str, tuple[SequenceGroup, Future]] = {}  # waiting for their grammar
         self._refused: dict[str, EngineError] = {}  # dropped because their grammar failed to compile
+        # LoRA: requests waiting for a slot for their adapter (not yet the scheduler's), and those holding one
+        self._lora_waiting: list[Sequence] = []
+        self._lora_holders: set[str] = set()
         self._next_seq_id = 0
         self._last_log = time.monotonic()
         self._logged_tokens = 0
@@ -130,6 +134,7 @@ class LLMEngine:
         params: SamplingParams | PoolingParams,
         priority: int = 0,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> list[int]:
         """Validates and queues a request; returns its prompt token ids. Raises before queueing anything.
 
@@ -154,20 +159,25 @@ class LLMEngine:
             text, token_ids = None, token_ids[-keep:]
         params = self._check_lengths(token_ids, params)
         self._check_vocabulary(params)
+        if lora_request is not None:
+            if self.runner.lora is None:
+                raise InvalidRequestError("LoRA adapters need an engine started with enable_lora.")
+            self.runner.lora.load(lora_request)  # read and checked now: a bad adapter is refused here
         spec = params.structured_outputs
         grammar = self.structured.compile(spec) if spec is not None else None
         if grammar is not None and grammar.done() and grammar.exception() is not None:
             raise _refusal(grammar.exception())  # a constraint already known to be bad
         group = SequenceGroup(request_id, text, token_ids, params, priority, arrival_time or time.time())
+        group.lora_request = lora_request
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None]
         self.groups[request_id] = group
         seq = self._new_sequence(group, token_ids, index=0)
         if grammar is None:
-            self.scheduler.add(seq)
+            self._enqueue(seq)
         elif grammar.done():
             seq.grammar = self.structured.matcher(grammar.result())
-            self.scheduler.add(seq)
+            self._enqueue(seq)
         else:
             self._preparing[request_id] = (group, grammar)
         return token_ids
@@ -224,7 +234,30 @@ class LLMEngine:
                 continue
             seq = group.seqs[0]
             seq.grammar = self.structured.matcher(future.result())
-            self.scheduler.add(seq)
+            self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence) -> None:
+        """Hands a new request's sequence to the scheduler, once its LoRA adapter (if any) holds a slot: with
+        every slot held by other adapters' requests it waits here, and `_admit_lora_waiting` retries."""
+        lora = seq.group.lora_request
+        if lora is not None:
+            if not self.runner.lora.acquire(lora):
+                self._lora_waiting.append(seq)
+                return
+            self._lora_holders.add(seq.group.request_id)
+        self.scheduler.add(seq)
+
+    def _admit_lora_waiting(self) -> None:
+        waiting, self._lora_waiting = self._lora_waiting, []
+        for seq in waiting:
+            self._enqueue(seq)
+
+    def _drop_lora(self, group: SequenceGroup) -> None:
+        """A finished or aborted request gives back its adapter's slot (or stops waiting for one)."""
+        if group.request_id in self._lora_holders:
+            self._lora_holders.discard(group.request_id)
+            self.runner.lora.release(group.lora_request)
+        self._lora_waiting = [seq for seq in self._lora_waiting if seq.group is not group]
 
     def _check_vocabulary(self, params: SamplingParams) -> None:
         """Token ids the request names must be the model's (the web tier cannot know its vocabulary)."""
@@ -287,6 +320,7 @@ class LLMEngine:
             if group is None:
                 continue
             self._preparing.pop(rid, None)
+            self._drop_lora(group)
             for seq in group.seqs:
                 self._retire(seq)
                 seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
@@ -314,6 +348,7 @@ class LLMEngine:
         """One iteration: schedule a batch, run it, post-process its tokens; the outputs of the requests
         that got tokens."""
         self._admit_prepared()
+        self._admit_lora_waiting()
         sched = self._schedule()
         if sched.is_empty:
             return []
@@ -327,7 +362,8 @@ class LLMEngine:
         grammars to wait for, waits for one briefly rather than spin."""
         if self.proposer is not None:
             self.proposer.propose(self.scheduler.running)
-        sched = self.scheduler.schedule(burst=not self._preparing)
+        # No bursts while adapters run: a burst is one native call, which knows no adapters.
+        sched = self.scheduler.schedule(burst=not self._preparing and not self._lora_holders)
         if sched.is_empty and self._preparing:
             wait([future for _, future in self._preparing.values()], 0.05, FIRST_COMPLETED)
         return sched
@@ -428,6 +464,7 @@ class LLMEngine:
             if group.is_finished:
                 group.metrics.finished_time = now
                 del self.groups[group.request_id]
+                self._drop_lora(group)
             outputs.append(self._request_output(group))
         self._maybe_log_stats()
         return outputs

@@ -17,6 +17,7 @@ import torch
 from inference_engine import distributed
 from inference_engine.attention import get_backend
 from inference_engine.config import EngineConfig
+from inference_engine.lora.slots import LoRAManager
 from inference_engine.model_loader import LoadedModel
 from inference_engine.models import MODEL_CLASSES
 from inference_engine.outputs import Logprob
@@ -144,6 +145,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self._on_start()
         self.model = self._build_model(loaded)
+        self.lora = self._lora_manager() if config.enable_lora else None
         self._on_model_loaded()
         self.num_blocks = self._num_kv_blocks()
         mc = self.model_config
@@ -191,6 +193,11 @@ class ModelRunner:
         model.eval()
         model.finalize(quantize_int8=self.config.quantization == "int8")
         return model
+
+    def _lora_manager(self) -> LoRAManager:
+        """The adapters' slots beside the model's linear layers (inference_engine/lora)."""
+        c = self.config
+        return LoRAManager(self.model, c.max_loras, c.max_lora_rank, c.max_cpu_loras or c.max_loras)
 
     # Hooks: each device's runner overrides those it needs.
 
@@ -256,7 +263,13 @@ class ModelRunner:
         plan.pool_spans = [rows for _, _, rows in pooling]
         if self.workers is not None:
             self.workers.send(plan.for_other_ranks())
-        logits, prompt_logits, pooled = self.run(plan)
+        if self.lora is not None:  # each row's adapter slot, for the linear layers
+            self.lora.set_step([seq.group.lora_request for seq in sched.seqs], list(sched.num_new_tokens))
+        try:
+            logits, prompt_logits, pooled = self.run(plan)
+        finally:
+            if self.lora is not None:
+                self.lora.clear_step()
         prompt_logprobs = {}
         for seq, (lo, hi, first, k) in prompt_targets.items():
             logprobs = torch.log_softmax(prompt_logits[lo:hi].float(), -1).cpu()

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from inference_engine.detokenizer import IncrementalDetokenizer
+from inference_engine.lora.request import LoRARequest
 from inference_engine.outputs import Logprob, RequestMetrics
 from inference_engine.sampling_params import SamplingParams
 
@@ -95,10 +96,16 @@ class SequenceGroup:
     metrics: RequestMetrics | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     pooling: PoolingState | None = None  # an embedding request: its prompt is pooled, nothing sampled
+    lora_request: LoRARequest | None = None  # the adapter it runs with; None: the base model
 
     def __post_init__(self) -> None:
         if self.metrics is None:
             self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+
+    @property
+    def lora_int_id(self) -> int:
+        """Its adapter's id; 0 for the base model."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
     @property
     def is_finished(self) -> bool:
