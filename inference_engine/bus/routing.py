@@ -44,7 +44,6 @@ CHUNK_CHARS = 256
 CHUNK_TOKENS = 64
 MAX_DIGESTS = 256  # pieces of one prompt looked up at most (a longer prompt is routed by its start)
 PREFIX, LEAST_LOADED, SHARED = "prefix", "least_loaded", "shared"
-POLICIES = (PREFIX, LEAST_LOADED, SHARED)
 
 
 def summary_key(keys: P.Keys, replica: str) -> str:
@@ -135,8 +134,8 @@ def routed(model: str, policy: str) -> None:
 class Summary:
     """The engine side: the digests of what it admitted since the last publish, and when to publish."""
 
-    def __init__(self, keys: P.Keys, model: str, replica: str, size: int, interval: float, ttl: float):
-        self.keys, self.model, self.replica = keys, model, replica
+    def __init__(self, keys: P.Keys, replica: str, size: int, interval: float, ttl: float) -> None:
+        self.keys, self.replica = keys, replica
         self.size, self.interval, self.ttl = size, interval, ttl
         self._new: dict[str, float] = {}
         self._next = 0.0

@@ -130,7 +130,6 @@ class EngineServer:
         self.interactive_streams = (self.routed_stream, self.req_stream)
         self.summary = routing.Summary(
             self.keys,
-            self.model,
             self.replica_id,
             max(1, engine.stats().get("num_blocks", 1)),  # the cache holds at most that many prefixes
             self.settings.summary_interval,
