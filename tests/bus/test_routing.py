@@ -3,6 +3,7 @@ real engine processes behind a real redis-server. The SIGKILL test runs last bec
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import time
@@ -13,7 +14,7 @@ import pytest
 
 from inference_engine.bus import protocol as P
 from inference_engine.bus import routing
-from inference_engine.bus.client import EngineClient
+from inference_engine.bus.client import AsyncEngineClient, EngineClient
 from inference_engine.errors import EngineUnavailableError
 
 from . import engines
@@ -114,6 +115,36 @@ def test_next_turn_goes_to_the_replica_that_served_the_first(redis_server, prefi
             second = _chat(f"Conversation {conversation}: name a colour.", "Blue.", "And another?")
             assert _run_chat(client, second, GREEDY, f"turn2-{conversation}") == served
             assert _decisions == [(MODEL, routing.PREFIX)]
+    finally:
+        client.close()
+
+
+@pytest.mark.timeout(300)
+def test_the_async_client_routes_the_same_way(redis_server, prefix, replicas):
+    """The web tier's client: the same routing, run on redis.asyncio."""
+    client = _client(redis_server.url, prefix, margin=4)
+    first = _chat("Async conversation: name a fruit.")
+    second = _chat("Async conversation: name a fruit.", "Apple.", "And another?")
+
+    async def turn(message: P.Generate, request_id: str) -> None:
+        aclient = AsyncEngineClient(redis_server.url, prefix=prefix, ack_timeout=60, stream_timeout=30)
+        try:
+            stream = await aclient.generate(
+                MODEL, messages=message.messages, params=GREEDY, request_id=request_id
+            )
+            async for _ in stream:
+                pass
+        finally:
+            await aclient.close()
+
+    try:
+        asyncio.run(turn(first, "async-1"))
+        served = _acked_by(client, "async-1")[0]
+        _wait_summary(client, served, first)
+        _decisions.clear()
+        asyncio.run(turn(second, "async-2"))
+        assert _acked_by(client, "async-2") == [served]
+        assert _decisions == [(MODEL, routing.PREFIX)]
     finally:
         client.close()
 
