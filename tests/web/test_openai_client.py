@@ -330,7 +330,7 @@ def test_developer_role_is_system(client, stack) -> None:
 
 def test_unknown_v1_paths_get_a_json_404(client, stack) -> None:
     with pytest.raises(openai.NotFoundError) as info:
-        client.embeddings.create(model=stack.model, input="hello")
+        client.moderations.create(model=stack.model, input="hello")
     assert info.value.code == "unknown_url"
     assert set(info.value.body) == {"message", "type", "param", "code"}
 
