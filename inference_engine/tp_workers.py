@@ -35,7 +35,7 @@ from inference_engine import distributed
 from inference_engine.config import EngineConfig
 from inference_engine.errors import InvalidRequestError
 from inference_engine.model_loader import ModelConfig, load_configured_model
-from inference_engine.model_runner import ModelRunner
+from inference_engine.runners import make_runner
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ def run_worker(config: EngineConfig, rank: int) -> None:
     """A rank other than 0: builds its model shard, then runs every step rank 0 broadcasts until told to
     stop."""
     init_rank(config, rank)
-    runner = ModelRunner(config, load_configured_model(config))
+    runner = make_runner(config, load_configured_model(config))
     distributed.freeze_startup_heap()
     try:
         while True:
