@@ -31,6 +31,8 @@ def client_settings() -> ClientSettings:
         max_queue=int(conf.get("MAX_QUEUE")),
         max_connections=int(conf.get("REDIS_MAX_CONNECTIONS")),
         pool_timeout=float(conf.get("REDIS_POOL_TIMEOUT")),
+        routing=conf.get("ROUTING"),
+        routing_load_margin=int(conf.get("ROUTING_LOAD_MARGIN")),
     )
 
 

@@ -26,6 +26,10 @@ Keys (all optional; defaults in `DEFAULTS`):
                          Celery worker process). Requests share them: a request waiting for an engine holds
                          none.
 ``REDIS_POOL_TIMEOUT``   Seconds a request waits for a free Redis connection before 429 with ``Retry-After``.
+``ROUTING``              How the web tier picks an engine replica: ``"prefix"`` (the replica that served the
+                         request's longest prefix, unless it is busier than the least-loaded one by
+                         ``ROUTING_LOAD_MARGIN`` requests) or ``"shared"`` (whichever replica reads first).
+``ROUTING_LOAD_MARGIN``  See ``ROUTING``.
 ``RETRY_AFTER``          Seconds suggested in ``Retry-After`` for 429 (overload) and 503 answers.
 ``LOOKUP_CACHE_SECONDS`` Seconds a web process keeps an API key or a model's admin entry after reading it
                          (`llmserve.lookups`): changes saved in another process take effect within this time,
@@ -76,6 +80,8 @@ DEFAULTS: dict[str, Any] = {
     "MAX_QUEUE": 1024,
     "REDIS_MAX_CONNECTIONS": 32,
     "REDIS_POOL_TIMEOUT": 30.0,
+    "ROUTING": "prefix",
+    "ROUTING_LOAD_MARGIN": 4,
     "RETRY_AFTER": 1,
     "LOOKUP_CACHE_SECONDS": 5.0,
     "SUPERVISOR": "default",
