@@ -32,11 +32,13 @@ from inference_engine.bus.client_core import (
     Waiter,
     answer,
     bus_error,
+    embed_message,
     generate_message,
     tokenize_message,
     tokenized,
 )
 from inference_engine.errors import EngineError, EngineUnavailableError
+from inference_engine.pooling import PoolingParams
 from inference_engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -295,6 +297,32 @@ class AsyncEngineClient(ClientBase):
         stream = AsyncGenerationStream(self, model, message.id)
         await stream._wait_ack()
         return stream
+
+    async def embed(
+        self,
+        model: str,
+        prompt: str | list[int],
+        params: PoolingParams | dict | None = None,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> P.Result:
+        """See `EngineClient.embed` (`sync_client`); cancelling the waiting task aborts the request."""
+        if self.draining:
+            raise EngineUnavailableError("this server is shutting down; retry the request.")
+        message = embed_message(prompt, params, request_id, priority, self._core.owner_id)
+        try:
+            await self._run(self._core.submit(model, message))
+        except asyncio.CancelledError:  # the request may have reached Redis before the cancellation did
+            await asyncio.shield(self._abort_quietly(model, message.id))
+            raise
+        stream = AsyncGenerationStream(self, model, message.id, owns_request=False)
+        try:
+            reply = await stream._next(self.settings.ack_timeout)
+        except BaseException:  # cancelled or timed out while the request is queued or running
+            await asyncio.shield(self._abort_quietly(model, message.id))
+            raise
+        return answer(reply)
 
     async def attach(self, model: str, request_id: str) -> AsyncGenerationStream:
         """The stream of a request submitted earlier, by this client or another (a bulk task that took over

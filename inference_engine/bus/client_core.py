@@ -36,6 +36,7 @@ from inference_engine.errors import (
     RequestAbortedError,
 )
 from inference_engine.outputs import CompletionOutput, Logprob
+from inference_engine.pooling import PoolingParams
 from inference_engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -419,8 +420,29 @@ def generate_message(
     )
 
 
+def embed_message(
+    prompt: str | list[int],
+    params: PoolingParams | dict | None,
+    request_id: str | None,
+    priority: int,
+    owner: str,
+) -> P.Embed:
+    if params is None:
+        params = PoolingParams()
+    elif not isinstance(params, PoolingParams):
+        params = PoolingParams.from_dict(params)
+    return P.Embed(
+        id=request_id or uuid.uuid4().hex,
+        params=params.to_dict(),
+        priority=int(priority),
+        arrival_time=time.time(),
+        owner=owner,
+        **_prompt_fields(prompt, None),
+    )
+
+
 def answer(message: P.Message) -> P.Result:
-    """The result of a tokenizer request."""
+    """The result of a one-answer request (tokenizer, embedding)."""
     if isinstance(message, P.Error):
         raise message.exception()
     assert isinstance(message, P.Result), message

@@ -25,11 +25,13 @@ from inference_engine.bus.client_core import (
     Waiter,
     answer,
     bus_error,
+    embed_message,
     generate_message,
     tokenize_message,
     tokenized,
 )
 from inference_engine.errors import EngineError, EngineUnavailableError
+from inference_engine.pooling import PoolingParams
 from inference_engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -173,6 +175,29 @@ class EngineClient(ClientBase):
         self._owned(stream)
         stream._wait_ack()
         return stream
+
+    def embed(
+        self,
+        model: str,
+        prompt: str | list[int],
+        params: PoolingParams | dict | None = None,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> P.Result:
+        """The embedding of one prompt (text or token ids) by an engine that pools: the answer's `embedding`
+        (base64 of little-endian float32) and `count` (the prompt's tokens). Refusals raise the typed errors
+        of `inference_engine.errors`; leaving early (an exception while waiting) aborts the request."""
+        message = embed_message(prompt, params, request_id, priority, self._core.owner_id)
+        self._run(self._core.submit(model, message))
+        stream = GenerationStream(self, model, message.id)
+        self._owned(stream)
+        try:
+            reply = stream._next(self.settings.ack_timeout)
+        except BaseException:
+            self.abort(model, message.id)
+            raise
+        return answer(reply)
 
     def tokenize(
         self,

@@ -12,8 +12,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import struct
-import time
-import uuid
 from typing import Annotated, Any, Literal
 
 from django.http import HttpRequest, HttpResponse, JsonResponse
@@ -70,22 +68,9 @@ async def create(body: dict[str, Any], min_priority: int | None = None) -> dict[
     config = await lookups.model_config(data.model)
     if config is not None and not config.enabled:
         raise errors.ModelNotFound(f"The model `{data.model}` is disabled.", param="model")
-    params = PoolingParams(data.dimensions, data.truncate_prompt_tokens).to_dict()
-    client = bus.async_client()
-    arrival = time.time()
-    messages = [
-        P.Embed(
-            id=uuid.uuid4().hex,
-            params=params,
-            priority=data.priority,
-            arrival_time=arrival,
-            owner=client._core.owner_id,
-            **({"prompt": one} if isinstance(one, str) else {"prompt_token_ids": one}),
-        )
-        for one in inputs
-    ]
+    params = PoolingParams(data.dimensions, data.truncate_prompt_tokens)
     try:
-        results = await _embed_all(client, data.model, messages)
+        results = await _embed_all(bus.async_client(), data.model, inputs, params, data.priority)
     except ModelNotFoundError:
         raise errors.model_not_served(data.model, configured=config is not None) from None
     items = [
@@ -114,10 +99,16 @@ def _inputs(value: str | list) -> list[str | list[int]]:
     return inputs
 
 
-async def _embed_all(client: AsyncEngineClient, model: str, messages: list[P.Embed]) -> list[P.Result]:
-    """Each message's answer, in order. The first error is raised once the unanswered requests are aborted
-    (also when the view is cancelled: its client went away)."""
-    tasks = [asyncio.ensure_future(client._call(model, message)) for message in messages]
+async def _embed_all(
+    client: AsyncEngineClient,
+    model: str,
+    inputs: list[str | list[int]],
+    params: PoolingParams,
+    priority: int,
+) -> list[P.Result]:
+    """Each input's answer, in order. The first error is raised once the unanswered requests are aborted
+    (cancelling an `embed` aborts its request; also when the view is cancelled: its client went away)."""
+    tasks = [asyncio.ensure_future(client.embed(model, one, params, priority=priority)) for one in inputs]
     try:
         done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         failed = next((t.exception() for t in tasks if t in done and t.exception() is not None), None)
@@ -125,12 +116,9 @@ async def _embed_all(client: AsyncEngineClient, model: str, messages: list[P.Emb
             raise failed
         return [task.result() for task in tasks]
     finally:
-        unanswered = [m.id for task, m in zip(tasks, messages, strict=True) if not task.done()]
         for task in tasks:
             task.cancel()
-        if unanswered:
-            aborts = (client.abort(model, rid) for rid in unanswered)
-            await asyncio.shield(asyncio.gather(*aborts, return_exceptions=True))
+        await asyncio.shield(asyncio.gather(*tasks, return_exceptions=True))
 
 
 def _encoded(embedding: str, encoding_format: str) -> str | list[float]:
