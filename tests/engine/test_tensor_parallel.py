@@ -123,6 +123,15 @@ def test_an_unguarded_script_runs_sharded(split_model, tmp_path):
     assert json.loads(run.stdout.splitlines()[-1]) == [o.outputs[0].token_ids for o in want]
 
 
+def test_a_rank_that_cannot_start_fails_the_engine_at_once(split_model, monkeypatch):
+    """Not after the group's two-minute rendezvous timeout: the error names the rank and what to check."""
+    monkeypatch.setattr(sys, "executable", "/bin/false")  # the ranks' interpreter exits at once
+    start = time.monotonic()
+    with pytest.raises(TensorParallelError, match="tp-rank-1 exited with code 1 before it started"):
+        LLM(model=split_model, dtype="float32", tensor_parallel_size=2)
+    assert time.monotonic() - start < 30
+
+
 def test_sizes_that_do_not_divide_the_heads_are_refused():
     with pytest.raises(InvalidRequestError, match="9 attention heads"):
         LLM(dtype="float32", tensor_parallel_size=2)
