@@ -145,3 +145,21 @@ def test_errors_and_runners(client, stack) -> None:
     assert len(client.embeddings.create(model=stack.model, input="hello").data[0].embedding) == 576
     with pytest.raises(openai.NotFoundError):
         client.embeddings.create(model="no-such-model", input="hello")
+
+
+def test_sync_bus_client_embeds(stack, embed_engine, token_ids, reference) -> None:
+    """`EngineClient.embed` (Celery tasks, scripts): the same vectors, and the engine's refusals typed."""
+    from inference_engine.bus.client import EngineClient
+    from inference_engine.errors import InvalidRequestError
+
+    bus = EngineClient(stack.redis.url)
+    try:
+        answers = [bus.embed(MODEL, ids) for ids in token_ids[:2]]
+        assert [a.count for a in answers] == [len(ids) for ids in token_ids[:2]]
+        vectors = [np.frombuffer(base64.b64decode(a.embedding), dtype="<f4") for a in answers]
+        assert min(_cosines(vectors, reference[:2])) >= 0.9999
+        assert bus.embed(MODEL, TEXTS[0], {"truncate_prompt_tokens": 3}).count == 3
+        with pytest.raises(InvalidRequestError, match="maximum context length"):
+            bus.embed(MODEL, [1] * 513)
+    finally:
+        bus.close()
