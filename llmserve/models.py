@@ -38,6 +38,10 @@ class ModelConfig(models.Model):
         INT8 = "int8", _("int8 (quantized on load)")
         NONE = "none", _("none (dequantize to dtype)")
 
+    class Runner(models.TextChoices):
+        GENERATE = "generate", _("generate (chat and completions)")
+        POOLING = "pooling", _("pooling (embeddings)")
+
     class DType(models.TextChoices):
         AUTO = "auto", "auto"
         FLOAT32 = "float32", "float32"
@@ -65,6 +69,13 @@ class ModelConfig(models.Model):
     )
     revision = models.CharField(
         _("revision"), max_length=100, blank=True, help_text=_("Branch, tag or commit of a hub model.")
+    )
+    runner = models.CharField(
+        _("runner"),
+        max_length=10,
+        choices=Runner.choices,
+        default=Runner.GENERATE,
+        help_text=_("vLLM's --runner: a pooling engine answers /v1/embeddings and refuses generation."),
     )
     quantization = models.CharField(
         _("quantization"), max_length=10, choices=Quantization.choices, default="", blank=True
@@ -135,6 +146,7 @@ class ModelConfig(models.Model):
     def engine_args(self) -> dict[str, Any]:
         """Engine options by EngineConfig name (the supervisor's load message and `serve` flags use these)."""
         args: dict[str, Any] = {
+            "runner": self.runner,
             "dtype": self.dtype,
             "block_size": self.block_size,
             "max_num_seqs": self.max_num_seqs,

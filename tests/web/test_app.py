@@ -218,6 +218,7 @@ def test_engine_command_line_from_model_config() -> None:
         dtype="float32",
         max_model_len=2048,
         enable_prefix_caching=False,
+        runner="pooling",
     )
     with override_settings(LLMSERVE={"REDIS_URL": "redis://127.0.0.1:7000/0", "ENGINE_THREADS": 1}):
         cmd = serve_command(model)
@@ -230,6 +231,7 @@ def test_engine_command_line_from_model_config() -> None:
         "--dtype float32",
         "--max-model-len 2048",
         "--no-enable-prefix-caching",
+        "--runner pooling",
     ):
         assert part in joined
 
