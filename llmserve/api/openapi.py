@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import models_json_schema
 
 from llmserve.api import schema
+from llmserve.api.embeddings import EmbeddingRequest
 
 
 class Body(BaseModel):
@@ -200,6 +201,24 @@ class TokenizerInfo(Body):
     model_max_length: int
 
 
+class Embedding(Body):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str  # a string with encoding_format "base64" (little-endian float32)
+
+
+class EmbeddingUsage(Body):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(Body):
+    object: Literal["list"]
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+
+
 class Health(Body):
     status: Literal["ok", "unavailable"]
 
@@ -252,6 +271,7 @@ _ENDPOINTS: list[tuple[str, str, str, type[BaseModel] | None, type[BaseModel] | 
         ItemList,
         True,
     ),
+    ("/v1/embeddings", "post", "Embeddings of texts or token ids", EmbeddingRequest, EmbeddingList, True),
     ("/v1/models", "get", "Models live engines serve", None, ModelList, True),
     ("/v1/models/{model_id}", "get", "One served model", None, ModelObject, True),
     ("/tokenize", "post", "Tokenize a prompt or messages", schema.TokenizeRequest, Tokenized, True),
