@@ -29,6 +29,7 @@ class ModelConfigAdmin(admin.ModelAdmin):
             _("Engine"),
             {
                 "fields": (
+                    "runner",
                     "dtype",
                     "quantization",
                     "tensor_parallel_size",

@@ -250,6 +250,7 @@ def test_quantization_and_decode_steps_chosen_in_the_admin_reach_the_serve_comma
         "revision": "",
         "dtype": "bfloat16",
         "quantization": "awq",
+        "runner": "generate",
         "tensor_parallel_size": "1",
         "speculative_config": "null",
         "max_model_len": "",

@@ -62,6 +62,7 @@ def test_engine_of_an_admin_hub_model_resolves_it_offline(admin_client, tmp_path
         "revision": "v1",
         "dtype": "float32",
         "quantization": "",
+        "runner": "generate",
         "tensor_parallel_size": "1",
         "speculative_config": "",
         "max_model_len": "512",
