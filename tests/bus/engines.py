@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from inference_engine.bus.client import EngineClient
 
@@ -56,3 +58,19 @@ def stop(process: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+@contextmanager
+def live_replicas(
+    url: str, prefix: str, name: str, count: int, *flags: str
+) -> Iterator[list[subprocess.Popen]]:
+    """`count` engines serving `name`, live on the bus until the block ends."""
+    procs = [serve(url, prefix, name, *flags) for _ in range(count)]
+    client = EngineClient(url, prefix=prefix)
+    try:
+        wait_live(client, name, count, procs)
+        yield procs
+    finally:
+        client.close()
+        for p in procs:
+            stop(p)

@@ -32,16 +32,10 @@ def prefix() -> str:
 
 @pytest.fixture(scope="module")
 def replicas(redis_server, prefix) -> Iterator[list]:
-    flags = ["--max-num-seqs", "16", "--max-inflight", "8"]
-    procs = [engines.serve(redis_server.url, prefix, MODEL, *flags) for _ in range(2)]
-    client = EngineClient(redis_server.url, prefix=prefix)
-    try:
-        engines.wait_live(client, MODEL, 2, procs)
+    with engines.live_replicas(
+        redis_server.url, prefix, MODEL, 2, "--max-num-seqs", "16", "--max-inflight", "8"
+    ) as procs:
         yield procs
-    finally:
-        client.close()
-        for p in procs:
-            engines.stop(p)
 
 
 @pytest.fixture
