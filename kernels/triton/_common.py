@@ -49,3 +49,24 @@ def tanh(x):
     """tanh as 1 - 2 / (e^2x + 1), which the interpreter and every GPU compute alike (exp overflowing to inf
     gives 1, underflowing to 0 gives -1): attention soft-capping's."""
     return 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)
+
+
+def group_rows(groups: torch.Tensor, num_groups: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted_ids, block_group): the ids of the entries of `groups` (group numbers; -1: none) that have a
+    group, sorted by group (stable), each group's run padded to a multiple of `block_m` with the invalid id
+    ``groups.numel()``; and the group of each `block_m` block. The fused-MoE kernels (token-expert pairs by
+    expert) and the LoRA kernels (rows by adapter slot) walk their rows in this order, so that each block of
+    rows reads one group's weights."""
+    flat = groups.flatten().long()
+    has_group = torch.nonzero(flat >= 0, as_tuple=True)[0]
+    order = has_group[torch.argsort(flat[has_group], stable=True)]
+    counts = torch.bincount(flat[has_group], minlength=num_groups)
+    padded = (counts + block_m - 1) // block_m * block_m
+    start = torch.cumsum(counts, 0) - counts
+    padded_start = torch.cumsum(padded, 0) - padded
+    sorted_groups = flat[order]
+    rank = torch.arange(order.numel(), device=flat.device) - start[sorted_groups]
+    sorted_ids = torch.full((int(padded.sum()),), flat.numel(), dtype=torch.int32, device=flat.device)
+    sorted_ids[padded_start[sorted_groups] + rank] = order.to(torch.int32)
+    block_group = torch.repeat_interleave(torch.arange(num_groups, device=flat.device), padded // block_m)
+    return sorted_ids, block_group.to(torch.int32)

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, dot_precision
+from ._common import INTERPRET, dot_precision, group_rows
 
 
 @triton.jit
@@ -110,24 +110,6 @@ def _down_kernel(
     tl.store(out, acc * scale[:, None], mask=valid[:, None] & col_ok[None, :])
 
 
-def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sorted_pairs, block_expert): the pair ids (t * top_k + j) sorted by expert, each expert's run padded
-    to a multiple of `block_m` with the invalid id ``pairs``; and the expert of each `block_m` block."""
-    flat = topk_ids.flatten().long()
-    pairs = flat.numel()
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
-    padded = (counts + block_m - 1) // block_m * block_m
-    start = torch.cumsum(counts, 0) - counts
-    padded_start = torch.cumsum(padded, 0) - padded
-    sorted_experts = flat[order]
-    rank = torch.arange(pairs, device=flat.device) - start[sorted_experts]
-    sorted_pairs = torch.full((int(padded.sum()),), pairs, dtype=torch.int32, device=flat.device)
-    sorted_pairs[padded_start[sorted_experts] + rank] = order.to(torch.int32)
-    block_expert = torch.repeat_interleave(torch.arange(num_experts, device=flat.device), padded // block_m)
-    return sorted_pairs, block_expert.to(torch.int32)
-
-
 def fused_moe(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -150,7 +132,7 @@ def fused_moe(
         return torch.zeros_like(x)
     block_m = 16 if pairs <= 64 * experts else 64
     block_n, block_k = (32, 32) if INTERPRET else (64, 64)
-    sorted_pairs, block_expert = align_pairs(topk_ids, experts, block_m)
+    sorted_pairs, block_expert = group_rows(topk_ids, experts, block_m)
     blocks = block_expert.numel()
     act = torch.empty(pairs, inter, dtype=torch.float32, device=x.device)
     y = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)

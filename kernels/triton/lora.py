@@ -1,10 +1,11 @@
 """The batched LoRA update on CUDA: a segmented gather matmul in the manner of Punica's SGMV.
 
 The step's rows are sorted by adapter slot on the device, each slot's run padded to a multiple of
-``BLOCK_M`` with an invalid row id, so every row block belongs to one slot (`block_slot`, as
-``fused_moe.align_pairs`` does for experts). The shrink launch gives each row block its rows' ``x A_s^T``
-(fp32, scaled); the expand launch gives each (row block, column block) ``B_s`` times that and adds it to
-its rows of ``y``. Rows without an adapter (slot -1) are left out of the sort, so they cost nothing.
+``BLOCK_M`` with an invalid row id, so every row block belongs to one slot (`block_slot`; the fused-MoE
+kernels group by expert the same way: ``_common.group_rows``). The shrink launch gives each row block its
+rows' ``x A_s^T`` (fp32, scaled); the expand launch gives each (row block, column block) ``B_s`` times that
+and adds it to its rows of ``y``. Rows without an adapter (slot -1) are left out of the sort, so they cost
+nothing.
 Reference: ``reference.lora_ref``.
 """
 
@@ -15,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, dot_precision
+from ._common import INTERPRET, dot_precision, group_rows
 
 
 @triton.jit
@@ -102,26 +103,6 @@ def _expand_kernel(
     tl.store(out, (y.to(tl.float32) + delta).to(y.dtype), mask=mask)
 
 
-def align_rows(slots: torch.Tensor, num_slots: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sorted_rows, block_slot): the ids of the rows that have a slot, sorted by slot, each slot's run padded
-    to a multiple of `block_m` with the invalid id ``len(slots)``; and the slot of each `block_m` block."""
-    flat = slots.long()
-    rows = flat.numel()
-    with_slot = torch.nonzero(flat >= 0, as_tuple=True)[0]
-    kept = flat[with_slot]
-    order = with_slot[torch.argsort(kept, stable=True)]
-    counts = torch.bincount(kept, minlength=num_slots)
-    padded = (counts + block_m - 1) // block_m * block_m
-    start = torch.cumsum(counts, 0) - counts
-    padded_start = torch.cumsum(padded, 0) - padded
-    sorted_slots = flat[order]
-    rank = torch.arange(order.numel(), device=flat.device) - start[sorted_slots]
-    sorted_rows = torch.full((int(padded.sum()),), rows, dtype=torch.int32, device=flat.device)
-    sorted_rows[padded_start[sorted_slots] + rank] = order.to(torch.int32)
-    block_slot = torch.repeat_interleave(torch.arange(num_slots, device=flat.device), padded // block_m)
-    return sorted_rows, block_slot.to(torch.int32)
-
-
 def lora_add_(
     y: torch.Tensor,
     x: torch.Tensor,
@@ -146,7 +127,7 @@ def lora_add_(
     block_m = 16
     block_r = max(16, triton.next_power_of_2(rank))
     block_n, block_k = (32, 32) if INTERPRET else (64, 64)
-    sorted_rows, block_slot = align_rows(slots, num_slots, block_m)
+    sorted_rows, block_slot = group_rows(slots, num_slots, block_m)
     blocks = block_slot.numel()
     if blocks == 0:
         return y

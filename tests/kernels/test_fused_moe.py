@@ -103,13 +103,16 @@ def test_triton_fused_moe_matches_reference(gen, device, tokens, experts, top_k,
 
 
 def test_triton_pairs_are_sorted_and_block_aligned(device):
-    from llmserve_kernels.triton.fused_moe import align_pairs
+    from llmserve_kernels.triton._common import group_rows
 
     ids = torch.tensor([[3, 0], [3, 1], [0, 3]], device=device)
-    sorted_pairs, block_expert = align_pairs(ids, num_experts=4, block_m=2)
+    sorted_pairs, block_expert = group_rows(ids, num_groups=4, block_m=2)
     pad = 6
     assert sorted_pairs.tolist() == [1, 4, 3, pad, 0, 2, 5, pad]  # experts 0, 1, 3; expert 2 owns no block
     assert block_expert.tolist() == [0, 1, 3, 3]
+    # rows without a group (-1, LoRA's rows without an adapter) are left out
+    rows, block_slot = group_rows(torch.tensor([1, -1, 1, 0], device=device), num_groups=2, block_m=2)
+    assert rows.tolist() == [3, 4, 0, 2] and block_slot.tolist() == [0, 1]
 
 
 _COMPILE = """
