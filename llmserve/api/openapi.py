@@ -225,7 +225,7 @@ class Health(Body):
 
 class BatchCreateRequest(schema.RequestModel):
     input_file_id: str
-    endpoint: Literal["/v1/chat/completions", "/v1/completions"]
+    endpoint: Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
     completion_window: Literal["24h"] = "24h"
     metadata: dict[str, str] | None = None
 

@@ -1,5 +1,6 @@
 """The bus side of a bulk runner: an asyncio loop on a thread of its own, running every in-flight request of
-the runner as a task of the async bus client.
+the runner as a task of the async bus client (embeddings through `llmserve.api.embeddings.create`, as the
+REST API runs them).
 
 The runner's own thread keeps the database work (claims, batched writes) and talks to this one through
 `start`, `finished` and `cancel`, so a slow database write never stalls the reading of output streams and a
@@ -16,10 +17,13 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from inference_engine.bus.client import AsyncEngineClient, ClientSettings, GenerationResult
-from inference_engine.errors import InvalidRequestError
+from inference_engine.errors import InvalidRequestError, ModelNotFoundError
+from llmserve import bus
+from llmserve.api import embeddings, errors
 from llmserve.bulk import requests
 
 T = TypeVar("T")
+Outcome = GenerationResult | dict[str, Any] | Exception  # a dict: an embeddings answer's body
 
 
 @dataclass(eq=False)
@@ -30,7 +34,7 @@ class Flight:
     index: int
     attempt: int
     request_id: str
-    request: requests.ItemRequest | None  # None: the item could not be turned into a request
+    request: requests.ItemRequest | requests.EmbedRequest | None  # None: it could not be made a request
 
 
 class BusThread:
@@ -40,7 +44,8 @@ class BusThread:
         self._thread = threading.Thread(target=self._serve, name="bulk-bus", daemon=True)
         self._thread.start()
         self._tasks: dict[Flight, asyncio.Task] = {}
-        self._finished: queue.SimpleQueue[tuple[Flight, GenerationResult | Exception]] = queue.SimpleQueue()
+        self._finished: queue.SimpleQueue[tuple[Flight, Outcome]] = queue.SimpleQueue()
+        self._embedded = False  # whether `embeddings.create` made this loop a bus client of its own
         self.client: AsyncEngineClient = self.call(self._client(redis_url, settings))
 
     def _serve(self) -> None:
@@ -65,7 +70,10 @@ class BusThread:
 
     async def _run(self, flight: Flight) -> None:
         try:
-            outcome: GenerationResult | Exception = await self._generate(flight)
+            if isinstance(flight.request, requests.EmbedRequest):
+                outcome: Outcome = await self._embed(flight.request)
+            else:
+                outcome = await self._generate(flight)
         except asyncio.CancelledError:  # `cancel`: the client has aborted the request in the engine
             outcome = asyncio.CancelledError()
         except Exception as exc:
@@ -73,6 +81,17 @@ class BusThread:
         finally:
             self._tasks.pop(flight, None)
         self._finished.put((flight, outcome))
+
+    async def _embed(self, request: requests.EmbedRequest) -> dict[str, Any]:
+        """The embeddings answer, at the job's priority. Embedding requests are short and not attached to
+        again: an item whose runner left before its answer was stored is embedded again by the next one."""
+        self._embedded = True
+        try:
+            return await embeddings.create({**request.body, "priority": self.priority}, self.priority)
+        except (errors.ModelNotFound, errors.ServiceUnavailable) as exc:
+            raise ModelNotFoundError(exc.message) from None  # no engine serves it now: tried again later
+        except errors.APIError as exc:
+            raise requests.ItemError(exc) from None
 
     async def _generate(self, flight: Flight) -> GenerationResult:
         request = flight.request
@@ -102,7 +121,7 @@ class BusThread:
         async with stream:
             return await stream.result()
 
-    def finished(self, timeout: float) -> list[tuple[Flight, GenerationResult | Exception]]:
+    def finished(self, timeout: float) -> list[tuple[Flight, Outcome]]:
         """The flights that ended since the last call, waiting up to ``timeout`` seconds for the first."""
         try:
             done = [self._finished.get(timeout=timeout)] if timeout > 0 else []
@@ -135,4 +154,6 @@ class BusThread:
         if self._tasks:
             await asyncio.wait(list(self._tasks.values()))
         await self.client.close()
+        if self._embedded:
+            await bus.async_client().close()
         self.loop.stop()

@@ -23,13 +23,15 @@ class BulkJob(models.Model):
     """A model, a prompt template and sampling parameters applied to many items.
 
     A job with an empty ``template`` takes each item's input as a complete OpenAI request body (Batch API);
-    otherwise the template is filled with the item's fields and sent as one user message (``chat``) or as a
-    raw prompt (``completion``).
+    otherwise the template is filled with the item's fields and sent as one user message (``chat``), as a
+    raw prompt (``completion``), or as the text to embed (``embed``: its output is the vector, base64
+    float32, and ``params`` are the embeddings request's ``dimensions`` / ``truncate_prompt_tokens``).
     """
 
     class Kind(models.TextChoices):
         CHAT = "chat", _("chat")
         COMPLETION = "completion", _("completion")
+        EMBED = "embed", _("embeddings")
 
     class Status(models.TextChoices):
         QUEUED = "queued", _("queued")

@@ -41,7 +41,7 @@ from inference_engine.errors import (
 )
 from llmserve import bus, conf, ratelimit
 from llmserve.bulk import capacity, requests, services
-from llmserve.bulk.bus_thread import BusThread, Flight
+from llmserve.bulk.bus_thread import BusThread, Flight, Outcome
 from llmserve.bulk.models import BulkItem, BulkJob, BulkRunner
 
 log = logging.getLogger("llmserve.bulk")
@@ -75,7 +75,7 @@ class JobRunner:
         self.beat_interval = float(conf.get("BULK_RUNNER_TIMEOUT")) / 5
         self.flights: dict[int, Flight] = {}  # by item id
         self.cancelled: set[int] = set()
-        self.results: list[tuple[Flight, GenerationResult | Exception]] = []
+        self.results: list[tuple[Flight, Outcome]] = []
         self.first_result = 0.0
         self.limit = 0
         self.claims_resume = 0.0
@@ -90,7 +90,8 @@ class JobRunner:
         self.job = BulkJob.objects.select_related("owner").get(pk=self.job_id)
         if self.job.status not in (BulkJob.Status.RUNNING, BulkJob.Status.CANCELLING):
             return False
-        self.params = requests.job_params(self.job.params) if self.job.template else None
+        generates = self.job.template and self.job.kind != BulkJob.Kind.EMBED
+        self.params = requests.job_params(self.job.params) if generates else None
         # A dead runner's requests run on while another runner takes its items over and adopts them
         # (`attach`), which takes a few runner timeouts; only requests left unadopted longer are aborted.
         settings = dataclasses.replace(
@@ -279,6 +280,9 @@ class JobRunner:
                 if any(o.finish_reason == "abort" for o in outcome.outputs):
                     retry[0.0].append(flight.item_id)  # paused, cancelled, or superseded
                     continue
+                fields = flight.request.stored(outcome)
+                done.append(BulkItem(pk=flight.item_id, status=BulkItem.Status.DONE, **fields))
+            elif isinstance(outcome, dict):  # an embeddings answer
                 fields = flight.request.stored(outcome)
                 done.append(BulkItem(pk=flight.item_id, status=BulkItem.Status.DONE, **fields))
             elif isinstance(outcome, asyncio.CancelledError | RequestAbortedError):

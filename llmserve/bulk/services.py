@@ -79,7 +79,7 @@ def create_job(
     """
     params = params or {}
     if template:
-        requests.job_params(params)
+        requests.check_job_params(kind, params)
     ids = iter(custom_ids) if custom_ids is not None else None
     with transaction.atomic():
         job = BulkJob.objects.create(

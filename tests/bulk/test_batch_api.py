@@ -8,6 +8,7 @@ import time
 import urllib.error
 import urllib.request
 
+import numpy as np
 import openai
 import pytest
 from django.contrib.auth.models import User
@@ -95,6 +96,66 @@ def test_openai_batch_end_to_end(bulk_stack: BulkStack, client: openai.OpenAI) -
     (error,) = [json.loads(line) for line in client.files.content(batch.error_file_id).text.splitlines()]
     assert error["custom_id"] == "too-long" and error["response"]["status_code"] == 400
     assert error["response"]["body"]["error"]["message"]
+
+
+def cosine(a: list[float], b: list[float]) -> float:
+    return float(np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+def test_openai_batch_of_embeddings(bulk_stack: BulkStack, client: openai.OpenAI) -> None:
+    """``/v1/embeddings`` lines: each output line carries the answer ``/v1/embeddings`` gives for the same
+    body; a line the endpoint refuses goes to the error file and the others run."""
+    texts = {"one": "The river floods every spring.", "two": ["Bread rises.", "Comets have tails."]}
+    lines = [
+        {
+            "custom_id": custom_id,
+            "method": "POST",
+            "url": "/v1/embeddings",
+            "body": {"model": bulk_stack.model, "input": text},
+        }
+        for custom_id, text in texts.items()
+    ]
+    lines.insert(
+        1,
+        {
+            "custom_id": "no-input",
+            "method": "POST",
+            "url": "/v1/embeddings",
+            "body": {"model": bulk_stack.model},
+        },
+    )
+    content = "\n".join(json.dumps(line) for line in lines).encode()
+    uploaded = client.files.create(file=("embed.jsonl", io.BytesIO(content)), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h"
+    )
+    assert batch.endpoint == "/v1/embeddings" and batch.request_counts.total == 3
+    batch = wait_until(
+        lambda: (b := client.batches.retrieve(batch.id)).status == "completed" and b,
+        60,
+        "the batch to complete",
+    )
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (2, 1)
+
+    output = {
+        line["custom_id"]: line["response"]
+        for line in map(json.loads, client.files.content(batch.output_file_id).text.splitlines())
+    }
+    assert sorted(output) == ["one", "two"]
+    for custom_id, text in texts.items():
+        response = output[custom_id]
+        assert response["status_code"] == 200
+        body = response["body"]
+        direct = client.embeddings.create(model=bulk_stack.model, input=text, encoding_format="float")
+        assert body["object"] == "list" and body["model"] == bulk_stack.model
+        assert [item["index"] for item in body["data"]] == list(range(len(direct.data)))
+        assert body["usage"]["prompt_tokens"] == direct.usage.prompt_tokens > 0
+        for ours, theirs in zip(body["data"], direct.data, strict=True):
+            assert ours["object"] == "embedding" and len(ours["embedding"]) == len(theirs.embedding)
+            assert cosine(ours["embedding"], theirs.embedding) >= 0.9999
+    (error,) = [json.loads(line) for line in client.files.content(batch.error_file_id).text.splitlines()]
+    assert error["custom_id"] == "no-input" and error["response"]["status_code"] == 400
+    assert "input" in error["response"]["body"]["error"]["message"]
 
 
 def test_a_batch_line_with_a_lone_surrogate_fails_alone(bulk_stack: BulkStack, client: openai.OpenAI) -> None:
