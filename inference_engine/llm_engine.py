@@ -93,6 +93,8 @@ class LLMEngine:
         self._next_seq_id = 0
         self._last_log = time.monotonic()
         self._logged_tokens = 0
+        self.step_seconds_total = 0.0  # in steps that ran a batch
+        self._logged_seconds = (0.0, 0.0)  # step and MoE seconds at the last log
         self._logged_drafts = (0, 0, 0)  # the proposer's totals() at the last log
         logger.info(
             "engine ready: model=%s device=%s dtype=%s attention=%s kv_blocks=%d x %d tokens (%.1f MiB)",
@@ -347,6 +349,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule a batch, run it, post-process its tokens; the outputs of the requests
         that got tokens."""
+        start = time.perf_counter()
         self._admit_prepared()
         self._admit_lora_waiting()
         sched = self._schedule()
@@ -355,6 +358,7 @@ class LLMEngine:
         samples = self._execute(sched)
         for seq in self.scheduler.postprocess(sched, samples):
             self.runner.release(seq)
+        self.step_seconds_total += time.perf_counter() - start
         return self._outputs(samples)
 
     def _schedule(self) -> SchedulerOutput:
@@ -529,6 +533,8 @@ class LLMEngine:
             "generation_tokens_total": self.generation_tokens_total,
             "prefix_cache_query_tokens": self.block_manager.num_cache_queries,
             "prefix_cache_hit_tokens": self.block_manager.num_cache_hits,
+            "step_seconds_total": self.step_seconds_total,
+            **({"moe_seconds_total": moe} if (moe := self._moe_seconds()) is not None else {}),
             **(self.proposer.stats() if self.proposer is not None else {}),
         }
 
@@ -540,16 +546,31 @@ class LLMEngine:
         tokens = self.generation_tokens_total - self._logged_tokens
         s = self.stats()
         logger.info(
-            "running=%d waiting=%d kv_usage=%.1f%% generation=%.1f tok/s preemptions=%d",
+            "running=%d waiting=%d kv_usage=%.1f%% generation=%.1f tok/s preemptions=%d%s",
             s["num_running"],
             s["num_waiting"],
             100 * s["kv_usage"],
             tokens / (now - self._last_log),
             s["num_preemptions"],
+            self._moe_share(s),
         )
         self._last_log, self._logged_tokens = now, self.generation_tokens_total
         if self.proposer is not None:
             self._log_speculation()
+
+    def _moe_seconds(self) -> float | None:
+        """Seconds the model's experts spent in their fused kernel (MoE models on the CPU), else None."""
+        return getattr(self.runner.model, "moe_seconds", None)
+
+    def _moe_share(self, stats: dict) -> str:
+        """` moe=NN%`: the share of step time since the last log spent in the experts' fused kernel; empty
+        where the experts are not timed (no experts, CUDA) or no step ran."""
+        if "moe_seconds_total" not in stats:
+            return ""
+        totals = (stats["step_seconds_total"], stats["moe_seconds_total"])
+        steps, moe = (a - b for a, b in zip(totals, self._logged_seconds, strict=True))
+        self._logged_seconds = totals
+        return f" moe={100 * moe / steps:.0f}%" if steps > 0 else ""
 
     def _log_speculation(self) -> None:
         """Since the last log: mean acceptance length (tokens a verification of proposals gave, its own

@@ -6,9 +6,10 @@ finished requests by finish reason, and prompt / generated token counts per requ
 prometheus_client's multiprocess mode when ``PROMETHEUS_MULTIPROC_DIR`` names a directory (the host
 project's settings set one, and its run command empties it at start), so that several web workers add up;
 without it, in this process. Engine state (running / waiting requests, KV usage, token totals, preemptions,
-speculative decoding's drafts and accepted tokens) comes from the replicas' heartbeats when /metrics is
-scraped; a model has a sample of each such metric where its replicas report it (speculative decoding's only
-where it is configured, as vLLM registers them).
+step time and the part of it in mixture-of-experts kernels, speculative decoding's drafts and accepted tokens)
+comes from the replicas' heartbeats when /metrics is scraped; a model has a sample of each such metric where
+its replicas report it (speculative decoding's only where it is configured, as vLLM registers them; the
+experts' time only where the model has experts on the CPU).
 
 The two agree: one engine request is one ``request_success`` (per sample, as vLLM counts the n samples of a
 request), one time-to-first-token observation per sample that produced a token, and the sums of
@@ -185,6 +186,21 @@ _ENGINE_METRICS = (
         "counter",
         "Prompt tokens found in the engines' prefix caches.",
         "prefix_cache_hit_tokens",
+        sum,
+    ),
+    (
+        "step_seconds",
+        "counter",
+        "Seconds the engines spent in steps that ran a batch.",
+        "step_seconds_total",
+        sum,
+    ),
+    (
+        "moe_seconds",
+        "counter",
+        "Seconds the engines' mixture-of-experts layers spent in their fused CPU kernel (over step_seconds: "
+        "the experts' share of step time).",
+        "moe_seconds_total",
         sum,
     ),
     (

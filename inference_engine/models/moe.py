@@ -5,6 +5,9 @@ experts, stacked into [E, 2I, H] (gate rows, then up rows) and [E, H, I] tensors
 kernel over the whole step: `llmserve_kernels.cpu.moe` on the CPU, `llmserve_kernels.triton.fused_moe` on
 CUDA, `fused_moe_ref` where neither can run. The native whole-decoder path is dense-only, so these models
 run layer by layer.
+
+On the CPU each layer times its fused kernel (`FusedExperts.seconds`): the engine reports the experts'
+share of its step time. CUDA kernels run asynchronously, so there the experts are not timed.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+import time
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -91,6 +95,7 @@ class FusedExperts(nn.Module):
         ] = {}  # (expert, projection): this rank's slice, until finalize
         self.w13 = self.w2 = torch.empty(0)
         self.scales: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.seconds = 0.0  # in the fused kernel, CPU only
 
     def load_expert(self, expert: int, projection: str, weight: Weight) -> None:
         dim = 1 if projection == "down_proj" else 0  # the intermediate features' dimension
@@ -150,7 +155,10 @@ class FusedExperts(nn.Module):
         return sum(t.nbytes for t in (self.w13, self.w2, *(self.scales or ())))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        start = time.perf_counter()
         out = fused_experts(x, self.w13, self.w2, weights, ids, self.scales)
+        if x.device.type == "cpu":
+            self.seconds += time.perf_counter() - start
         return all_reduce(out) if self.tp_size > 1 else out
 
 
@@ -200,6 +208,15 @@ class MoeForCausalLM(LlamaForCausalLM):
         logger.info("%s runs layer by layer: the native decoder has no MoE layers", self.config.architecture)
         return False
 
+    @property
+    def moe_seconds(self) -> float | None:
+        """Seconds this model's experts have spent in the fused CPU kernel; None where they are not timed
+        (CUDA)."""
+        experts = self.fused_experts
+        if not experts or experts[0].device.type != "cpu":
+            return None
+        return sum(m.seconds for m in experts)
+
     def load_weights(self, weights: Iterable[tuple[str, Weight]]) -> None:
         # `LlamaForCausalLM.load_weights` converts the names it is passed once more: the families'
         # conversions are renames that leave converted names as they are.
@@ -218,6 +235,6 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     def finalize(self, quantize_int8: bool = False) -> None:
         super().finalize(quantize_int8)
-        for module in self.modules():
-            if isinstance(module, FusedExperts):
-                module.finalize(quantize_int8)
+        self.fused_experts = [m for m in self.modules() if isinstance(m, FusedExperts)]
+        for experts in self.fused_experts:
+            experts.finalize(quantize_int8)
