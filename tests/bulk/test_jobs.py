@@ -3,16 +3,20 @@ engine killed mid-job; cancel."""
 
 from __future__ import annotations
 
+import base64
 import json
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
+from django.core.files.uploadedfile import SimpleUploadedFile
 from django.db.models import Sum
 
 from inference_engine.bus.client import EngineClient
-from llmserve.bulk import services
+from llmserve.api.errors import BadRequest
+from llmserve.bulk import services, uploads
 from llmserve.bulk.models import BulkItem, BulkJob, BulkRunner
 
 from .conftest import PARAMS, TEMPLATE, BulkStack, wait_until
@@ -115,6 +119,38 @@ def test_summarise_32_documents(bulk_stack: BulkStack, bus_client: EngineClient)
     for i in (0, 11, 21, 31):  # a sample through the REST API...
         assert stored[i] == rest_output(bulk_stack, docs[i]), i
     assert stored == bus_outputs(bus_client, bulk_stack.model, docs)  # ...and every one through the bus
+
+
+def vector(encoded: str) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(encoded), dtype="<f4")
+
+
+def test_embed_an_uploaded_file_of_texts(bulk_stack: BulkStack, bus_client: EngineClient) -> None:
+    """An embed job over an uploaded JSONL file: one result line per text, its vector as base64 float32,
+    equal to the engine's answer for the same text alone; a text the engine refuses fails alone."""
+    texts = [d["document"] for d in documents(5, seed=5)]
+    lines = [json.dumps({"text": text}) for text in texts] + [json.dumps({"text": "word " * 3000})]
+    upload = SimpleUploadedFile("texts.jsonl", "\n".join(lines).encode())
+    with pytest.raises(BadRequest, match="max_tokens"):  # sampling parameters mean nothing to an embed job
+        services.create_job(bulk_stack.model, "{text}", [], {"max_tokens": 8}, kind=BulkJob.Kind.EMBED)
+    job = services.create_job(
+        bulk_stack.model, "{text}", uploads.iter_items(upload), kind=BulkJob.Kind.EMBED, name="embed 5 texts"
+    )
+    job = wait_finished(job, timeout=60)
+    assert job.status == BulkJob.Status.COMPLETED and (job.done, job.failed, job.total) == (5, 1, 6)
+    results = [json.loads(line) for line in uploads.jsonl_lines(services.iter_results(job))]
+    assert [r["index"] for r in results] == list(range(6))
+    assert results[5]["status"] == "failed" and results[5]["error"]["status_code"] == 400
+    expected_tokens = 0
+    for text, result in zip(texts, results, strict=False):
+        assert result["status"] == "done" and result["input"] == {"text": text}
+        alone = bus_client.embed(bulk_stack.model, text)
+        ours, theirs = vector(result["output"]), vector(alone.embedding)
+        assert ours.shape == theirs.shape and abs(np.linalg.norm(ours) - 1) < 1e-4
+        assert float(ours @ theirs) / float(np.linalg.norm(theirs)) >= 0.9999
+        assert result["prompt_tokens"] == alone.count and result["completion_tokens"] == 0
+        expected_tokens += alone.count
+    assert (job.prompt_tokens, job.completion_tokens) == (expected_tokens, 0)
 
 
 def test_pool_process_killed_mid_job(bulk_stack: BulkStack, bus_client: EngineClient) -> None:
