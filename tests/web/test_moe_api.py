@@ -1,10 +1,13 @@
 """A mixture-of-experts model through the whole stack: `serve --model` on the tiny Qwen2-MoE checkpoint
 (shared expert, a dense layer; `tests/engine/moe_families.py`), the bus and the OpenAI API give transformers'
-fp32 greedy tokens, as the offline engine does in `tests/engine/test_moe.py`."""
+fp32 greedy tokens, as the offline engine does in `tests/engine/test_moe.py`; /metrics shows the time its
+experts took as part of the engine's step time."""
 
 from __future__ import annotations
 
 import re
+import time
+import urllib.request
 
 import openai
 import pytest
@@ -38,6 +41,7 @@ def test_moe_model_served_through_the_api_gives_transformers_tokens() -> None:
             logprobs=1,
             extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
         )
+        metrics = _metrics_after(stack, generated=len(prompts) * MAX_TOKENS)
     finally:
         stack.stop()
     choices = sorted(reply.choices, key=lambda c: c.index)
@@ -46,3 +50,19 @@ def test_moe_model_served_through_the_api_gives_transformers_tokens() -> None:
     mismatches, ties = compare(served, references)
     print(f"{FAMILY} through the stack: {len(prompts) - len(mismatches) - ties} equal, {ties} ties")
     assert not mismatches, mismatches
+    moe, step = metrics["llmserve_moe_seconds_total"], metrics["llmserve_step_seconds_total"]
+    print(f"experts: {moe:.3f} s of {step:.3f} s of steps ({100 * moe / step:.0f}%)")
+    assert 0 < moe < step, metrics
+
+
+def _metrics_after(stack: Stack, generated: int) -> dict[str, float]:
+    """The model's /metrics samples once a heartbeat has reported `generated` tokens."""
+    for _ in range(50):
+        with urllib.request.urlopen(stack.base_url + "/metrics", timeout=10) as reply:
+            lines = reply.read().decode().splitlines()
+        pattern = rf'^(llmserve_\w+)\{{model_name="{stack.model}"\}} (\S+)$'
+        values = {m[1]: float(m[2]) for line in lines if (m := re.match(pattern, line))}
+        if values.get("llmserve_generation_tokens_total", 0) >= generated:
+            return values
+        time.sleep(0.2)
+    raise AssertionError(f"no heartbeat reported {generated} tokens: {values}")
