@@ -132,6 +132,8 @@ class JobRunner:
             elif status == BulkJob.Status.RUNNING:
                 if time.monotonic() < self.deadline:
                     self._claim()
+                elif self.job.kind == BulkJob.Kind.EMBED and self.flights:
+                    pass  # the next task would embed these again (`BusThread._embed`): they finish here
                 elif self.flights or self._pending():
                     # Hand over: the requests in flight go on in the engine, and the next task, given their
                     # items when this runner's row goes, reads their output.
