@@ -55,6 +55,9 @@ ENGINE_FLAGS: list[tuple[str, type]] = [
     ("--runner", str),  # "generate" | "pooling" (embeddings)
     ("--task", str),  # vLLM's older form: "embed" = --runner pooling
     ("--pooler-config", json.loads),  # JSON, as vLLM's flag
+    ("--max-loras", int),
+    ("--max-lora-rank", int),
+    ("--max-cpu-loras", int),
 ]
 
 
@@ -72,6 +75,7 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(flag, type=kind)
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=None)
 
 
 def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -79,6 +83,7 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
     names = [flag[2:].replace("-", "_") for flag, _ in ENGINE_FLAGS] + [
         "enable_prefix_caching",
         "enforce_eager",
+        "enable_lora",
     ]
     return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 
@@ -93,6 +98,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--served-model-name", help="name clients use (default: the engine's model name)")
     _add_engine_flags(serve)
+    serve.add_argument(
+        "--lora-modules",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="NAME=PATH",
+        help='adapters served by name (needs --enable-lora): name=path or {"name": ..., "path": ...}',
+    )
     serve.add_argument("--max-inflight", type=int, help="requests taken at once (default: --max-num-seqs)")
     serve.add_argument("--shutdown-grace", type=float, default=10.0)
     serve.add_argument(
@@ -154,6 +167,7 @@ def serve(args: argparse.Namespace) -> None:
     from inference_engine.config import EngineConfig
     from inference_engine.distributed import freeze_startup_heap
     from inference_engine.llm_engine import LLMEngine
+    from inference_engine.lora.modules import lora_requests, parse_lora_module
     from llmserve_kernels.cpu.team import spread_team
 
     promoted = threading.Event()
@@ -162,6 +176,12 @@ def serve(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     spread_team()
+    try:
+        adapters = lora_requests([parse_lora_module(spec) for spec in args.lora_modules])
+    except InvalidRequestError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    if adapters and not args.enable_lora:
+        raise SystemExit("error: --lora-modules needs --enable-lora.")
     url, _server = ensure_redis_url(args.redis_url)
     config = EngineConfig(model=args.model, served_model_name=args.served_model_name, **_engine_options(args))
     engine = LLMEngine(config)
@@ -180,6 +200,7 @@ def serve(args: argparse.Namespace) -> None:
         heartbeat_ttl=args.heartbeat_ttl,
         max_inflight=args.max_inflight,
         shutdown_grace=args.shutdown_grace,
+        lora_modules=adapters,
         first_token_pause=first_token_pause_for(torch.get_num_threads(), _usable_cpus())
         if engine.runner.device.type == "cpu"
         else 0.0,

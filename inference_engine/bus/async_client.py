@@ -282,12 +282,21 @@ class AsyncEngineClient(ClientBase):
         request_id: str | None = None,
         priority: int = 0,
         chat_options: dict | None = None,
+        lora_name: str | None = None,
     ) -> AsyncGenerationStream:
-        """See `EngineClient.generate` (`sync_client`)."""
+        """See `EngineClient.generate` (`sync_client`); `lora_name`: an adapter `model`'s engines serve."""
         if self.draining:
             raise EngineUnavailableError("this server is shutting down; retry the request.")
         message = generate_message(
-            prompt, params, messages, request_id, priority, tools, self._core.owner_id, chat_options
+            prompt,
+            params,
+            messages,
+            request_id,
+            priority,
+            tools,
+            self._core.owner_id,
+            chat_options,
+            lora_name,
         )
         try:
             await self._run(self._core.submit(model, message))

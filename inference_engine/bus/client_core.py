@@ -403,6 +403,7 @@ def generate_message(
     tools: list[dict] | None,
     owner: str,
     chat_options: dict | None,
+    lora_name: str | None = None,
 ) -> P.Generate:
     if params is None:
         params = SamplingParams()
@@ -416,6 +417,7 @@ def generate_message(
         tools=tools,
         owner=owner,
         chat_options=chat_options,
+        lora_name=lora_name,
         **_prompt_fields(prompt, messages),
     )
 

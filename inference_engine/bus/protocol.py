@@ -57,7 +57,7 @@ them (`encode`, `parse`).
 Request (client -> ``req`` stream, or ``reqlow`` for ``generate`` with ``priority > 0``):
   ``{"type": "generate", "id", "prompt" | "prompt_token_ids" | "messages", "tools"?, "params":
   SamplingParams.to_dict(), "priority": int (lower = earlier, vLLM's convention), "arrival_time": float,
-  "owner"?: str}``
+  "owner"?: str, "lora_name"?: str}`` (``lora_name``: an adapter the engine serves by that name)
   (``tools``: OpenAI's function tools, rendered into the chat template with ``messages``; ``chat_options``?:
   how the template renders them, `Tokenizer.apply_chat_template`'s keyword arguments)
   ``{"type": "embed", "id", "prompt" | "prompt_token_ids", "params": PoolingParams.to_dict(), "priority",
@@ -222,6 +222,7 @@ class Generate(Message):
     priority: int = 0  # lower runs earlier (vLLM's convention)
     arrival_time: float | None = None
     owner: str | None = None  # the client whose liveness key keeps the request running (None: nobody's)
+    lora_name: str | None = None  # an adapter the engine serves (`--lora-modules`); None: the base model
 
 
 @dataclass
@@ -486,3 +487,8 @@ class ModelInfo:
     @property
     def max_model_len(self) -> int | None:
         return self.replicas[0].data.get("max_model_len") if self.replicas else None
+
+    @property
+    def adapters(self) -> list[str]:
+        """The LoRA adapters some replica serves by name (their `model` in a request), sorted."""
+        return sorted({name for r in self.replicas for name in r.data.get("lora_modules", ())})

@@ -49,8 +49,10 @@ from inference_engine.errors import (
     EngineError,
     EngineUnavailableError,
     InvalidRequestError,
+    ModelNotFoundError,
     RequestAbortedError,
 )
+from inference_engine.lora.request import LoRARequest
 from inference_engine.outputs import EmbeddingRequestOutput
 from inference_engine.pooling import PoolingParams
 from inference_engine.sampling_params import SamplingParams
@@ -73,6 +75,8 @@ class ServeSettings:
     first_token_pause: float = 0.0
     # Seconds between updates of the replica's routing summary and load (see `routing`).
     summary_interval: float = 0.25
+    # Adapters served by name (`--lora-modules`): a request's `lora_name` picks one; in the heartbeat.
+    lora_modules: dict[str, LoRARequest] = dataclasses.field(default_factory=dict)
 
 
 def first_token_pause_for(threads: int, cpus: int) -> float:
@@ -407,6 +411,7 @@ class EngineServer:
                 params,
                 priority=int(message.priority),
                 arrival_time=message.arrival_time,
+                lora_request=self._adapter(message.lora_name),
             )
         except Exception as exc:
             if not isinstance(exc, EngineError):  # a bug, not a refusal: fail it loudly, serve the others
@@ -429,6 +434,14 @@ class EngineServer:
             self._unacked[rid] = ack
         else:
             self._writes.append((rid, ack))
+
+    def _adapter(self, name: str | None) -> LoRARequest | None:
+        if name is None:
+            return None
+        adapter = self.settings.lora_modules.get(name)
+        if adapter is None:
+            raise ModelNotFoundError(f"The model `{name}` does not exist: no such adapter of `{self.model}`.")
+        return adapter
 
     def _acknowledge_prepared(self) -> None:
         """Acks the requests whose grammar compiled (ahead of this step's deltas); refuses those whose
@@ -573,6 +586,7 @@ class EngineServer:
             "time": time.time(),
             "config": dataclasses.asdict(self.engine.config),
             "max_model_len": self.engine.max_model_len,
+            "lora_modules": sorted(self.settings.lora_modules),
             "inflight": len(self._live),
             "max_inflight": self.max_inflight,
             "inflight_interactive": sum(

@@ -159,16 +159,26 @@ class EngineClient(ClientBase):
         request_id: str | None = None,
         priority: int = 0,
         chat_options: dict | None = None,
+        lora_name: str | None = None,
     ) -> GenerationStream:
         """Submit a generation and wait for the engine's acknowledgement: typed errors come before any delta.
 
         `prompt` is text or token ids; `messages` (chat) is rendered with the engine's chat template, with
         `tools` (OpenAI's function tools) where given, and `chat_options` (`Tokenizer.apply_chat_template`'s
         add_generation_prompt, continue_final_message, chat_template_kwargs). `priority`: lower runs earlier
-        (interactive 0, bulk jobs e.g. 10).
+        (interactive 0, bulk jobs e.g. 10). `lora_name`: one of the LoRA adapters that `model`'s engines serve
+        by name (`serve --lora-modules`); an engine serving no such adapter refuses with ModelNotFoundError.
         """
         message = generate_message(
-            prompt, params, messages, request_id, priority, tools, self._core.owner_id, chat_options
+            prompt,
+            params,
+            messages,
+            request_id,
+            priority,
+            tools,
+            self._core.owner_id,
+            chat_options,
+            lora_name,
         )
         self._run(self._core.submit(model, message))
         stream = GenerationStream(self, model, message.id)

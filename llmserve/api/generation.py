@@ -37,6 +37,7 @@ class Submitted:
     request: GenerationRequest
     streams: list[AsyncGenerationStream]
     timers: list[metrics.RequestTimer]
+    engine_model: str  # the served model whose engines run it (an adapter's base model)
 
     async def deltas(self) -> AsyncIterator[tuple[int, RequestDelta]]:
         """(prompt number, delta) as they arrive from all the streams; observed into the metrics. Leaving
@@ -54,31 +55,42 @@ class Submitted:
 
 async def submit(request: GenerationRequest) -> Submitted:
     """Every engine request of `request`, accepted; raises `errors.APIError` (a disabled or unserved model)
-    or the engine's refusal, with nothing left running."""
+    or the engine's refusal, with nothing left running. A `model` that no engine serves but some engine
+    serves as a LoRA adapter (`serve --lora-modules`) runs on that engine's base model with the adapter."""
     received = time.monotonic()
     config = await lookups.model_config(request.model)
     if config is not None and not config.enabled:
         raise errors.ModelNotFound(f"The model `{request.model}` is disabled.", param="model")
     client = bus.async_client()
     prompts = request.prompts if request.prompts is not None else [None]
+    ids = bus_ids(request, len(prompts))
 
-    async def one(prompt: str | list[int] | None, request_id: str | None) -> AsyncGenerationStream:
-        return await client.generate(
-            request.model,
-            prompt,
-            request.params,
-            messages=request.messages,
-            tools=request.tools,
-            chat_options=request.chat_options,
-            priority=request.priority,
-            request_id=request_id,
+    async def attempt(model: str, lora_name: str | None) -> list[AsyncGenerationStream | BaseException]:
+        async def one(prompt: str | list[int] | None, request_id: str | None) -> AsyncGenerationStream:
+            return await client.generate(
+                model,
+                prompt,
+                request.params,
+                messages=request.messages,
+                tools=request.tools,
+                chat_options=request.chat_options,
+                priority=request.priority,
+                request_id=request_id,
+                lora_name=lora_name,
+            )
+
+        return await asyncio.gather(
+            *(one(p, i) for p, i in zip(prompts, ids, strict=True)), return_exceptions=True
         )
 
     timers = [metrics.RequestTimer(request.model, received) for _ in prompts]
-    ids = bus_ids(request, len(prompts))
-    attempts = await asyncio.gather(
-        *(one(p, i) for p, i in zip(prompts, ids, strict=True)), return_exceptions=True
-    )
+    engine_model = request.model
+    attempts = await attempt(request.model, None)
+    if config is None and all(isinstance(a, ModelNotFoundError) for a in attempts):
+        base = await _adapter_base(request.model)
+        if base is not None:
+            engine_model = base
+            attempts = await attempt(base, request.model)
     streams = [a for a in attempts if isinstance(a, AsyncGenerationStream)]
     failed = next((a for a in attempts if isinstance(a, BaseException)), None)
     if failed is not None:
@@ -88,7 +100,16 @@ async def submit(request: GenerationRequest) -> Submitted:
         raise failed
     for timer, stream in zip(timers, streams, strict=True):
         timer.accepted(stream.prompt_tokens or 0)
-    return Submitted(request, streams, timers)
+    return Submitted(request, streams, timers, engine_model)
+
+
+async def _adapter_base(name: str) -> str | None:
+    """The served model, not disabled, one of whose engines serves the adapter `name`, if any."""
+    for info in await bus.async_client().list_models():
+        if name in info.adapters:
+            config = await lookups.model_config(info.name)
+            return info.name if config is None or config.enabled else None
+    return None
 
 
 async def _merged(streams: list[AsyncGenerationStream]) -> AsyncIterator[tuple[int, RequestDelta]]:
@@ -160,11 +181,12 @@ async def _echoes(submitted: Submitted) -> list[Echo]:
     echoes = []
     for prompt in request.prompts or []:
         ids = prompt if isinstance(prompt, list) else None
-        text = prompt if isinstance(prompt, str) else await client.detokenize(request.model, prompt)
+        model = submitted.engine_model
+        text = prompt if isinstance(prompt, str) else await client.detokenize(model, prompt)
         first = ""
         if request.logprobs:
-            ids = ids or (await client.tokenize(request.model, text)).token_ids
-            first = await client.detokenize(request.model, ids[:1])
+            ids = ids or (await client.tokenize(model, text)).token_ids
+            first = await client.detokenize(model, ids[:1])
         echoes.append(Echo(text, first))
     return echoes
 

@@ -27,6 +27,11 @@ def _model_object(info: ModelInfo) -> dict[str, Any]:
     }
 
 
+def _adapter_objects(info: ModelInfo) -> list[dict[str, Any]]:
+    """The LoRA adapters `info`'s engines serve, each a model whose `parent` is `info` (vLLM's listing)."""
+    return [{**_model_object(info), "id": name, "root": name, "parent": info.name} for name in info.adapters]
+
+
 async def served_models() -> dict[str, ModelInfo]:
     live = {m.name: m for m in await bus.async_client().list_models()}
     disabled = {
@@ -41,7 +46,8 @@ async def served_models() -> dict[str, ModelInfo]:
 @api_view(("GET",))
 async def model_list(request: HttpRequest, principal: Principal) -> HttpResponse:
     served = await served_models()
-    return JsonResponse({"object": "list", "data": [_model_object(m) for m in served.values()]})
+    data = [obj for m in served.values() for obj in (_model_object(m), *_adapter_objects(m))]
+    return JsonResponse({"object": "list", "data": data})
 
 
 @api_view(("GET",))
@@ -49,5 +55,8 @@ async def model_detail(request: HttpRequest, principal: Principal, model_id: str
     served = await served_models()
     if model_id in served:
         return JsonResponse(_model_object(served[model_id]))
+    for adapter in (a for m in served.values() for a in _adapter_objects(m)):
+        if adapter["id"] == model_id:
+            return JsonResponse(adapter)
     configured = await ModelConfig.objects.filter(name=model_id, enabled=True).aexists()
     raise errors.model_not_served(model_id, configured)

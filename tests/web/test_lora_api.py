@@ -1,0 +1,154 @@
+"""LoRA adapters through the whole stack (issue 59): `serve --enable-lora --lora-modules` (both of vLLM's
+forms), `/v1/models` lists each adapter with its base model as `parent`, and the openai client with
+`model=<adapter>` gets the greedy tokens the offline engine gives with that adapter, streamed and not."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from inference_engine.bus.sync_client import EngineClient
+from inference_engine.errors import InvalidRequestError, ModelNotFoundError
+from inference_engine.lora.modules import lora_requests, parse_lora_module
+from inference_engine.lora.request import LoRARequest
+from tests.engine.quant_checkpoints import dense_folder
+from tests.engine.test_lora import ADAPTERS, write_adapter
+from tests.web.stack import Stack, engine_flags
+
+pytestmark = pytest.mark.timeout(300)
+
+BASE = "smol-base"
+MAX_TOKENS = 12
+TEXT = "The three most useful things to pack for a long hike are"
+
+
+@pytest.fixture(scope="module")
+def adapter_paths(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        "customer-a": write_adapter(root / "a", *ADAPTERS["all-r16"], seed=11),
+        "customer-b": write_adapter(root / "b", *ADAPTERS["qv-r4"], seed=12),
+    }
+
+
+@pytest.fixture(scope="module")
+def lora_stack(adapter_paths) -> Iterator[Stack]:
+    json_form = {"name": "customer-b", "path": str(adapter_paths["customer-b"]), "base_model_name": BASE}
+    flags = [
+        *engine_flags(),
+        "--model",
+        str(dense_folder()),
+        "--enable-lora",
+        "--max-lora-rank",
+        "16",
+        "--lora-modules",
+        f"customer-a={adapter_paths['customer-a']}",
+        json.dumps(json_form),
+    ]
+    stack = Stack(model=BASE, engine_flags=flags).start()
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
+@pytest.fixture(scope="module")
+def offline(adapter_paths) -> dict[str | None, list[int]]:
+    """The offline engine's greedy tokens for TEXT under the base model and each adapter."""
+    from inference_engine import LLM, SamplingParams
+
+    llm = LLM(
+        str(dense_folder()),
+        dtype="float32",
+        seed=0,
+        max_model_len=512,
+        kv_cache_memory_bytes=128 * 2**20,
+        enable_lora=True,
+        max_lora_rank=16,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    names = [None, *adapter_paths]
+    requests = [None] + [LoRARequest(n, i + 1, str(p)) for i, (n, p) in enumerate(adapter_paths.items())]
+    outputs = llm.generate([TEXT] * len(names), params, lora_request=requests, use_tqdm=False)
+    tokens = {name: list(out.outputs[0].token_ids) for name, out in zip(names, outputs, strict=True)}
+    assert tokens["customer-a"] != tokens[None] and tokens["customer-b"] != tokens[None]
+    return tokens
+
+
+def _client(stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.base_url + "/v1", api_key=stack.api_key, max_retries=0)
+
+
+def _ids(tokens: list[str]) -> list[int]:
+    return [int(re.fullmatch(r"token_id:(\d+)", t)[1]) for t in tokens]
+
+
+EXTRA = {"ignore_eos": True, "return_tokens_as_token_ids": True}
+
+
+@pytest.mark.parametrize("model", [BASE, "customer-a", "customer-b"])
+def test_adapter_by_model_name_gives_the_offline_tokens(lora_stack, offline, model):
+    client = _client(lora_stack)
+    reply = client.completions.create(
+        model=model, prompt=TEXT, max_tokens=MAX_TOKENS, temperature=0.0, logprobs=1, extra_body=EXTRA
+    )
+    assert reply.model == model
+    want = offline[None if model == BASE else model]
+    assert _ids(reply.choices[0].logprobs.tokens) == want
+    streamed: list[str] = []
+    for chunk in client.completions.create(
+        model=model,
+        prompt=TEXT,
+        max_tokens=MAX_TOKENS,
+        temperature=0.0,
+        logprobs=1,
+        stream=True,
+        extra_body=EXTRA,
+    ):
+        if chunk.choices and chunk.choices[0].logprobs:
+            streamed += chunk.choices[0].logprobs.tokens
+    assert _ids(streamed) == want
+
+
+def test_models_list_adapters_with_their_base_as_parent(lora_stack):
+    client = _client(lora_stack)
+    listed = {m.id: m for m in client.models.list().data}
+    assert listed[BASE].parent is None
+    for name in ("customer-a", "customer-b"):
+        assert listed[name].parent == BASE
+        assert listed[name].root == name
+        assert client.models.retrieve(name).parent == BASE
+
+
+def test_an_unknown_adapter_is_a_model_not_found_error(lora_stack):
+    with pytest.raises(openai.NotFoundError) as caught:
+        _client(lora_stack).completions.create(model="customer-z", prompt=TEXT, max_tokens=2)
+    assert "customer-z" in caught.value.message
+    # an engine asked directly for an adapter it does not serve refuses it and keeps serving
+    client = EngineClient(lora_stack.redis.url)
+    try:
+        with pytest.raises(ModelNotFoundError, match="customer-z"):
+            client.generate(BASE, TEXT, {"max_tokens": 2}, lora_name="customer-z")
+        served = client.generate(BASE, TEXT, {"max_tokens": 2, "ignore_eos": True}, lora_name="customer-a")
+        assert len(served.result().outputs[0].token_ids) == 2
+    finally:
+        client.close()
+
+
+def test_lora_modules_flag_forms():
+    assert parse_lora_module("a=/x/y") == ("a", "/x/y")
+    assert parse_lora_module('{"name": "b", "path": "/p", "base_model_name": "m"}') == ("b", "/p")
+    for bad in ("no-equals", "=/p", "a=", '{"name": "b"}', "{not json"):
+        with pytest.raises(InvalidRequestError, match="--lora-modules"):
+            parse_lora_module(bad)
+    assert lora_requests([("a", "/x"), ("b", "/y")]) == {
+        "a": LoRARequest("a", 1, "/x"),
+        "b": LoRARequest("b", 2, "/y"),
+    }
+    with pytest.raises(InvalidRequestError, match="twice"):
+        lora_requests([("a", "/x"), ("a", "/y")])
