@@ -185,6 +185,12 @@ def serve(args: argparse.Namespace) -> None:
     url, _server = ensure_redis_url(args.redis_url)
     config = EngineConfig(model=args.model, served_model_name=args.served_model_name, **_engine_options(args))
     engine = LLMEngine(config)
+    for adapter in adapters.values():  # read and checked now: a bad adapter stops the start, not a request
+        try:
+            engine.runner.lora.load(adapter)
+        except InvalidRequestError as exc:
+            engine.shutdown()
+            raise SystemExit(f"error: --lora-modules {adapter.lora_name}: {exc}") from None
     if args.standby:
         stopped = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -152,3 +154,18 @@ def test_lora_modules_flag_forms():
     }
     with pytest.raises(InvalidRequestError, match="twice"):
         lora_requests([("a", "/x"), ("a", "/y")])
+
+
+def test_serve_refuses_a_bad_adapter_at_start(tmp_path):
+    """A bad --lora-modules adapter ends `serve` with an error naming it, before it takes any request."""
+    broken = write_adapter(tmp_path / "wide", 32, 32, ["q_proj"], {}, seed=3)
+    command = [sys.executable, "-m", "inference_engine", "serve", "--redis-url", "redis://127.0.0.1:9"]
+    command += ["--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory-bytes", str(32 * 2**20)]
+    command += ["--enable-lora", "--max-lora-rank", "16", "--lora-modules", f"too-wide={broken}"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "--lora-modules too-wide" in done.stderr and "above max_lora_rank 16" in done.stderr
+    done = subprocess.run(
+        [*command[:4], "--lora-modules", "a=/x"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode != 0 and "--lora-modules needs --enable-lora" in done.stderr
