@@ -117,6 +117,24 @@ def test_adapter_by_model_name_gives_the_offline_tokens(lora_stack, offline, mod
     assert _ids(streamed) == want
 
 
+def test_chat_with_an_adapter_runs_the_adapter(lora_stack):
+    """Chat requests resolve an adapter's name as completions do: the adapter changes the answer."""
+    client = _client(lora_stack)
+
+    def answer(model: str) -> str:
+        reply = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": TEXT}],
+            max_tokens=8,
+            temperature=0.0,
+            extra_body={"ignore_eos": True},
+        )
+        assert reply.model == model
+        return reply.choices[0].message.content
+
+    assert answer("customer-a") != answer(BASE)
+
+
 def test_models_list_adapters_with_their_base_as_parent(lora_stack):
     client = _client(lora_stack)
     listed = {m.id: m for m in client.models.list().data}
