@@ -155,7 +155,7 @@ def test_mistral_file_has_no_window_and_the_reading_differs():
     [
         ("llama.rope.scaling.type", "su-perfect", "su-perfect"),
         ("llama.attention.causal", False, "llama.attention.causal"),
-        ("llama.expert_count", 8, "llama.expert_count"),  # Mixtral converts to `llama`
+        ("llama.expert_shared_count", 1, "llama.expert_shared_count"),  # Mixtral-style experts, no shared one
         ("general.architecture", "mamba", "mamba"),
     ],
 )
