@@ -311,8 +311,7 @@ class EngineServer:
         with self.redis.pipeline(transaction=False) as pipe:
             pipe.xreadgroup(P.GROUP, self.replica_id, {self.util_stream: ">"}, count=16)
             if interactive > 0:
-                # Ours first. One command for both streams, whose count applies to each: when both have a
-                # backlog (some clients route, others do not) this takes up to twice the capacity.
+                # Ours first, in one command for both streams (one round trip); its count applies to each.
                 streams = {self.routed_stream: ">", self.req_stream: ">"}
                 pipe.xreadgroup(P.GROUP, self.replica_id, streams, count=interactive)
             self._ask_aborted(pipe, entries)
@@ -323,6 +322,7 @@ class EngineServer:
         aborted = self._aborted(entries, replies[reads:])
         for reply in replies[:reads]:
             more += self._entries(reply)
+        more = self._give_back_excess(more, interactive)
         _, total = self._capacity(entries + more)
         if total > 0 and not any(stream in self.interactive_streams for stream, _, _ in entries + more):
             with self.redis.pipeline(transaction=False) as pipe:
@@ -333,6 +333,24 @@ class EngineServer:
                 return None
             more += self._entries(replies[0])
         return more, aborted
+
+    def _give_back_excess(
+        self, read: list[tuple[str, str, P.Message]], capacity: int
+    ) -> list[tuple[str, str, P.Message]]:
+        """With a backlog on both interactive streams (some clients route, others do not) one read takes up to
+        twice `capacity`: the routed entries past it go to the shared stream, where any replica takes them (a
+        route is a preference), so a replica never holds more than `max_inflight`."""
+        excess = sum(1 for stream, _, _ in read if stream in (self.routed_stream, self.req_stream)) - capacity
+        back = [entry for entry in read if entry[0] == self.routed_stream][-excess:] if excess > 0 else []
+        if not back:
+            return read
+        with self.redis.pipeline(transaction=False) as pipe:
+            for _, entry_id, message in back:
+                pipe.xadd(self.req_stream, P.encode(message))
+                pipe.xack(self.routed_stream, P.GROUP, entry_id)
+                pipe.xdel(self.routed_stream, entry_id)
+            pipe.execute()
+        return [entry for entry in read if entry not in back]
 
     def _ask_aborted(self, pipe: Any, entries: list[tuple[str, str, P.Message]]) -> None:
         """Queues on `pipe` whether each entry's request was aborted before we read it (its abort key)."""

@@ -122,7 +122,7 @@ def test_float_and_base64_match_transformers(client, token_ids, reference) -> No
 
     # Without encoding_format the client asks for base64 and decodes it itself.
     default = client.embeddings.create(model=MODEL, input=TEXTS[0])
-    assert np.allclose(default.data[0].embedding, decoded[0], atol=1e-5)
+    assert min(_cosines([default.data[0].embedding], reference[:1])) >= 0.9999
 
     alone = [client.embeddings.create(model=MODEL, input=[ids]).data[0].embedding for ids in token_ids]
     assert min(_cosines(alone, reference)) >= 0.9999
