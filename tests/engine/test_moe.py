@@ -118,8 +118,14 @@ def test_bad_moe_config_is_refused_naming_the_field(tmp_path, change, field):
         LLM(model=str(tmp_path), dtype="float32")
 
 
-# llama.cpp's converter maps no dense MLP in a Qwen2-MoE file: its sparse-only form stands in.
-GGUF_FAMILIES = ("mixtral", "olmoe", "qwen2moe-sparse", "qwen3moe")
+# llama.cpp's converter maps no dense MLP in a Qwen2-MoE file: its sparse-only form stands in. Mixtral's and
+# OLMoE's files (a conversion and a reference each, some 15 s) run with `-m slow`.
+GGUF_FAMILIES = (
+    pytest.param("mixtral", marks=pytest.mark.slow),
+    pytest.param("olmoe", marks=pytest.mark.slow),
+    "qwen2moe-sparse",
+    "qwen3moe",
+)
 
 
 @pytest.mark.parametrize("family", GGUF_FAMILIES)
