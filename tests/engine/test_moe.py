@@ -28,19 +28,24 @@ TEXTS = [
 ]
 
 
+def _assert_greedy_tokens(llm: LLM, prompts: list[list[int]], references: list, label: str) -> None:
+    """`llm`'s greedy tokens on `prompts` equal `references` (tokens and top-2 margins) but for ties, and no
+    KV block is left held."""
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    mismatches, ties = compare([o.outputs[0].token_ids for o in outputs], references)
+    print(f"{label}: {len(prompts) - len(mismatches) - ties} equal, {ties} ties")
+    assert not mismatches, mismatches
+    assert_all_blocks_free(llm)
+
+
 @pytest.mark.parametrize("family", sorted(moe_families.FAMILIES))
 def test_moe_family_matches_transformers(family):
     llm = LLM(model=str(moe_families.folder(family)), dtype="float32", seed=0)
     experts = [m for m in llm.engine.runner.model.modules() if isinstance(m, FusedExperts)]
     assert len(experts) == (2 if family == "qwen2moe" else 3)  # Qwen2-MoE's middle layer is dense
     prompts = [llm.get_tokenizer().encode(text) for text in TEXTS]
-    references = moe_families.hf_greedy(family, prompts, MAX_TOKENS)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    mismatches, ties = compare([o.outputs[0].token_ids for o in outputs], references)
-    print(f"{family}: {len(prompts) - len(mismatches) - ties} equal, {ties} ties")
-    assert not mismatches, mismatches
-    assert_all_blocks_free(llm)
+    _assert_greedy_tokens(llm, prompts, moe_families.hf_greedy(family, prompts, MAX_TOKENS), family)
 
 
 @pytest.mark.timeout(600)
@@ -135,12 +140,7 @@ def test_moe_gguf_matches_transformers(family):
     llm = LLM(model=str(moe_families.gguf_path(family, "f32")), dtype="float32", quantization="none", seed=0)
     prompts = [llm.get_tokenizer().encode(text) for text in TEXTS]
     references = moe_families.gguf_hf_greedy(family, prompts, MAX_TOKENS)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    mismatches, ties = compare([o.outputs[0].token_ids for o in outputs], references)
-    print(f"{family} GGUF f32: {len(prompts) - len(mismatches) - ties} equal, {ties} ties")
-    assert not mismatches, mismatches
-    assert_all_blocks_free(llm)
+    _assert_greedy_tokens(llm, prompts, references, f"{family} GGUF f32")
 
 
 @pytest.mark.parametrize("family", GGUF_FAMILIES)
