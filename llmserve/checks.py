@@ -27,6 +27,8 @@ _POSITIVE_NUMBERS = (
     "REDIS_MAX_CONNECTIONS",
     "REDIS_POOL_TIMEOUT",
     "RETRY_AFTER",
+    "GRAMMAR_WORKERS",
+    "GRAMMAR_TIMEOUT",
 )
 
 
@@ -72,11 +74,18 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
                 id="llmserve.E004",
             )
         )
-    rate = values["DEFAULT_RATE_LIMIT"]
-    if isinstance(rate, bool) or not isinstance(rate, int) or rate < 0:
+    for key in ("DEFAULT_RATE_LIMIT", "GRAMMAR_PER_KEY"):
+        value = values[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            errors.append(
+                checks.Error(f"LLMSERVE[{key!r}] must be an integer >= 0, got {value!r}.", id="llmserve.E004")
+            )
+    per_minute = values["GRAMMAR_SECONDS_PER_MINUTE"]
+    if isinstance(per_minute, bool) or not isinstance(per_minute, int | float) or per_minute < 0:
         errors.append(
             checks.Error(
-                f"LLMSERVE['DEFAULT_RATE_LIMIT'] must be an integer >= 0, got {rate!r}.", id="llmserve.E004"
+                f"LLMSERVE['GRAMMAR_SECONDS_PER_MINUTE'] must be a number >= 0, got {per_minute!r}.",
+                id="llmserve.E004",
             )
         )
     return errors

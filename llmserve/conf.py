@@ -50,6 +50,13 @@ Keys (all optional; defaults in `DEFAULTS`):
                          worker (counted in the bus's Redis); the next is refused with close code 4429.
 ``REJECT_UNKNOWN_FIELDS`` ``True`` refuses request fields the API does not know (400 ``unknown_parameter``).
                          Default ``False``: they are ignored and logged once per name, as vLLM does.
+``GRAMMAR_WORKERS``      Threads of each web process that check requests' output constraints (JSON schemas,
+                         regexes, grammars, choices, forced tool calls) off its event loop.
+``GRAMMAR_TIMEOUT``      Seconds one request's constraint may take to check before a 400.
+``GRAMMAR_PER_KEY``      Constraint checks one API key (or user, or address) may have running at once in a web
+                         process; the next gets 429. ``0`` = unlimited.
+``GRAMMAR_SECONDS_PER_MINUTE`` Seconds of constraint checking one key may use a minute in a web process; then
+                         429 until the minute ends. ``0`` = unlimited.
 ``MIN_PRIORITY``         The most urgent ``priority`` an API request may ask for (lower runs earlier; requests
                          that give none run at 0, bulk jobs at ``BULK_PRIORITY``). Default 0: a client may
                          only defer its own requests.
@@ -94,6 +101,10 @@ DEFAULTS: dict[str, Any] = {
     "WS_CONNECTIONS_PER_KEY": 32,
     "REJECT_UNKNOWN_FIELDS": False,
     "MIN_PRIORITY": 0,
+    "GRAMMAR_WORKERS": 2,
+    "GRAMMAR_TIMEOUT": 5.0,
+    "GRAMMAR_PER_KEY": 2,
+    "GRAMMAR_SECONDS_PER_MINUTE": 20.0,
 }
 
 

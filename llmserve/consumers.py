@@ -51,6 +51,7 @@ from inference_engine.errors import EngineError
 from llmserve import bus, conf
 from llmserve.api import errors, generation, schema
 from llmserve.api.models import served_models
+from llmserve.api.validation import validated
 from llmserve.auth import (
     AuthenticationFailed,
     Principal,
@@ -242,9 +243,13 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
             await acheck_rate(principal)
         except RateLimited as exc:
             raise ChatError("rate_limit_exceeded", str(exc), retry_after=exc.retry_after) from None
-        # Off the event loop: validating a constraint (a JSON schema, a grammar) takes up to tens of ms, which
-        # every other socket and request of this worker would wait out.
-        request = await asyncio.to_thread(_parse, content)
+        params = content.get("params")
+        try:
+            request = await validated(
+                principal.identity, params if isinstance(params, dict) else {}, _parse, content
+            )
+        except errors.APIError as exc:  # the constraint pool's budgets
+            raise ChatError.from_api(exc) from None
         await sync_to_async(close_old_connections)()  # as REST does: no connection held while streaming
         self.answer = Answer(content.get("id"), request.model)
         self.task = asyncio.create_task(self._stream(self.answer, request))

@@ -25,6 +25,7 @@ from inference_engine.tool_parsers import ParsedDelta, ToolCall, ToolParser
 from llmserve.api import errors, generation, schema
 from llmserve.api.decorators import api_view
 from llmserve.api.responses import tool_parser
+from llmserve.api.validation import validated
 from llmserve.auth import Principal
 from llmserve.models import StoredResponse
 
@@ -208,7 +209,7 @@ async def create(request: HttpRequest, body: dict[str, Any], principal: Principa
         previous = await _stored(data.previous_response_id, principal, param="previous_response_id")
         history = previous.conversation
     turn = _Turn(data, history, principal)
-    request = turn.chat()
+    request = await validated(principal.identity, body, turn.chat)
     submitted = await generation.submit(request)
     turn.start(request, submitted.streams[0].tool_parser)
     if data.stream:
