@@ -26,6 +26,7 @@ from inference_engine.config import EngineConfig
 from inference_engine.detokenizer import IncrementalDetokenizer
 from inference_engine.errors import EngineError, EngineOverloadedError, InvalidRequestError
 from inference_engine.lora.request import LoRARequest
+from inference_engine.lora.stats import lora_stats
 from inference_engine.model_loader import load_configured_model
 from inference_engine.model_runner import StepOutput
 from inference_engine.outputs import (
@@ -536,7 +537,13 @@ class LLMEngine:
             "step_seconds_total": self.step_seconds_total,
             **({"moe_seconds_total": moe} if (moe := self._moe_seconds()) is not None else {}),
             **(self.proposer.stats() if self.proposer is not None else {}),
+            **(self._lora_stats() if self.runner.lora is not None else {}),
         }
+
+    def _lora_stats(self) -> dict:
+        s = self.scheduler
+        waiting = [*s.waiting, *s.swapped, *self._lora_waiting]
+        return lora_stats(s.running, waiting, self.runner.lora.max_loras)
 
     def _maybe_log_stats(self) -> None:
         interval = self.config.log_stats_interval

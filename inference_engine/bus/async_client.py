@@ -383,6 +383,18 @@ class AsyncEngineClient(ClientBase):
     async def list_models(self) -> list[P.ModelInfo]:
         return await self._run(self._core.list_models())
 
+    async def load_lora_adapter(
+        self, model: str, lora_name: str, lora_path: str, timeout: float = 60.0
+    ) -> int:
+        """See `EngineClient.load_lora_adapter` (`sync_client`)."""
+        message = P.LoadLoRA(uuid.uuid4().hex, lora_name, lora_path)
+        return await self._run(self._core.update_lora(model, message, timeout))
+
+    async def unload_lora_adapter(self, model: str, lora_name: str, timeout: float = 60.0) -> int:
+        """See `EngineClient.unload_lora_adapter` (`sync_client`)."""
+        message = P.UnloadLoRA(uuid.uuid4().hex, lora_name)
+        return await self._run(self._core.update_lora(model, message, timeout))
+
     async def _call(self, model: str, message: P.Tokenize | P.Detokenize | P.TokenizerInfo) -> P.Result:
         await self._run(self._core.submit(model, message))
         # an answer, not a generation: dropping it after the answer aborts nothing

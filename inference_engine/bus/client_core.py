@@ -375,6 +375,46 @@ class Core:
                 models.append(P.ModelInfo(name, replicas))
         return models
 
+    def update_lora(self, model: str, message: P.LoadLoRA | P.UnloadLoRA, timeout: float) -> Op[int]:
+        """Sends a LoRA update to every replica of `model` (`protocol`: loracmd) and waits for each live one's
+        answer; returns how many applied it. The first refusal is raised (InvalidRequestError for an adapter
+        that cannot be served, ModelNotFoundError for an unknown name on unload); a load that every replica
+        refused is not remembered for replicas that start later."""
+        replicas = yield from self.live_replicas(model)
+        if not replicas:
+            raise ModelNotFoundError(f"model {model!r} is not served by any live engine.")
+        known = self.keys.lora_adapters(model)
+        if isinstance(message, P.LoadLoRA):
+            remember = _cmd("hsetnx", known, message.lora_name, message.lora_path)
+        else:
+            remember = _cmd("hdel", known, message.lora_name)
+        command = _cmd(
+            "xadd",
+            self.keys.lora_commands(model),
+            P.encode(message),
+            maxlen=P.LORA_STREAM_MAXLEN,
+            approximate=True,
+        )
+        remembered, _ = yield [remember, command]
+        waiter = Waiter(timeout, model)
+        pending = {f"{message.id}:{r}": "0-0" for r in replicas}
+        answers: list[P.Message] = []
+        while pending:
+            found, _ = yield from self.read(pending, int(waiter.block_s(self.settings.poll_interval) * 1000))
+            for rid, entries in found.items():
+                answers.append(entries[0][1])
+                del pending[rid]
+            if pending and not found:  # a replica that died meanwhile will not answer
+                alive = set((yield from self.live_replicas(model)))
+                pending = {rid: last for rid, last in pending.items() if rid.rsplit(":", 1)[1] in alive}
+        yield [_cmd("delete", *(self.keys.output(f"{message.id}:{r}") for r in replicas))]
+        refusals = [a for a in answers if isinstance(a, P.Error)]
+        if refusals and isinstance(message, P.LoadLoRA) and remembered and len(refusals) == len(answers):
+            yield [_cmd("hdel", known, message.lora_name)]
+        if refusals:
+            raise refusals[0].exception()
+        return len(answers)
+
     def control(self, supervisor: str, message: P.Load | P.Unload) -> Op[None]:
         (alive,) = yield [_cmd("exists", self.keys.supervisor(supervisor))]
         if not alive:

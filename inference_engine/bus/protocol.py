@@ -46,6 +46,11 @@ Keys (``{p}`` is the namespace prefix, ``llmserve`` by default)
 ``{p}:replicas:{model}``    Set of replica ids that have served ``model`` (pruned lazily when keys expire).
 ``{p}:models``              Set of served model names (pruned lazily).
 ``{p}:control:{name}``      Control stream of the supervisor ``name``: ``load`` / ``unload`` messages.
+``{p}:loracmd:{model}``     LoRA adapter updates of one model (``load_lora`` / ``unload_lora``, capped). Every
+                            replica XREADs it with its aborts, applies each entry and answers on
+                            ``{p}:out:{id}:{replica}``, so the client hears from each replica it counted.
+``{p}:loraset:{model}``     Hash of the adapters loaded at run time (name -> path): a replica that starts
+                            later loads them too.
 ``{p}:supervisor:{name}``   Heartbeat of a supervisor: its children and their state.
 
 Entries
@@ -89,6 +94,10 @@ Output (engine -> ``out`` stream), in this order:
 Control (client -> ``control`` stream):
   ``{"type": "load", "name", "model": path | null, "engine_args": {...}}`` / ``{"type": "unload", "name"}``
 
+LoRA updates (client -> ``loracmd`` stream, vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter):
+  ``{"type": "load_lora", "id", "lora_name", "lora_path"}`` / ``{"type": "unload_lora", "id", "lora_name"}``,
+  answered by each replica with a ``result`` ``{}`` or an ``error`` on ``out:{id}:{replica}``.
+
 Crash recovery
 --------------
 Replicas publish heartbeats from a thread, so a long scheduler step does not look like death. Every
@@ -115,6 +124,7 @@ DEFAULT_PREFIX = "llmserve"
 GROUP = "engines"
 FIELD = "d"
 ABORT_STREAM_MAXLEN = 10_000
+LORA_STREAM_MAXLEN = 1_000
 
 
 @dataclass(frozen=True)
@@ -176,6 +186,12 @@ class Keys:
 
     def supervisor(self, supervisor: str) -> str:
         return f"{self.prefix}:supervisor:{supervisor}"
+
+    def lora_commands(self, model: str) -> str:
+        return f"{self.prefix}:loracmd:{model}"
+
+    def lora_adapters(self, model: str) -> str:
+        return f"{self.prefix}:loraset:{model}"
 
     def counter(self, name: str) -> str:
         """A counter of the app's (`AsyncEngineClient.count`): the web processes' shared rate limits."""
@@ -342,6 +358,25 @@ class Unload(Message):
     name: str
 
 
+@dataclass
+class LoadLoRA(Message):
+    """Load the PEFT adapter in folder `lora_path` as `lora_name` on every replica of a model."""
+
+    type: ClassVar[str] = "load_lora"
+    id: str
+    lora_name: str
+    lora_path: str
+
+
+@dataclass
+class UnloadLoRA(Message):
+    """Stop serving `lora_name`: new requests for it are refused, running ones finish."""
+
+    type: ClassVar[str] = "unload_lora"
+    id: str
+    lora_name: str
+
+
 MESSAGE_TYPES: dict[str, type[Message]] = {
     kind.type: kind
     for kind in (
@@ -357,6 +392,8 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         Result,
         Load,
         Unload,
+        LoadLoRA,
+        UnloadLoRA,
     )
 }
 GENERATE, TOKENIZE, DETOKENIZE, TOKENIZER_INFO = (

@@ -52,6 +52,7 @@ from inference_engine.errors import (
     ModelNotFoundError,
     RequestAbortedError,
 )
+from inference_engine.lora.registry import AdapterRegistry
 from inference_engine.lora.request import LoRARequest
 from inference_engine.outputs import EmbeddingRequestOutput
 from inference_engine.pooling import PoolingParams
@@ -145,6 +146,10 @@ class EngineServer:
         self._done: list[tuple[str, str]] = []  # (stream, entry id) to XACK + XDEL after the writes
         self._expire_set: dict[str, float] = {}  # request id -> when its output stream's TTL was last set
         self._abort_cursor = "0-0"
+        # LoRA adapter updates (`protocol`: loracmd): read with the aborts, applied to the served adapters.
+        self.lora_stream = self.keys.lora_commands(self.model)
+        self._lora_cursor: str | None = None  # None until the first connect
+        self.adapters = AdapterRegistry(self.settings.lora_modules, getattr(engine.runner, "lora", None))
         self._stopping = threading.Event()
         self._accepting = True
         self._next_maintenance = 0.0
@@ -183,6 +188,8 @@ class EngineServer:
                     raise
         last = self.redis.xrevrange(self.keys.aborts(self.model), count=1)
         self._abort_cursor = last[0][0] if last else "0-0"
+        if self._lora_cursor is None:  # later connects read on from where the last one stopped
+            self._sync_adapters()
         self._update_stats()
         self.heartbeat.beat()  # before the first read, so no survivor mistakes us for dead
         if self._accepting:
@@ -268,7 +275,8 @@ class EngineServer:
         top-up's round trip also asks whether the request that woke us was aborted meanwhile (entry id ->
         aborted; `_admit` asks for the others)."""
         with self.redis.pipeline(transaction=False) as pipe:
-            pipe.xread({self.keys.aborts(self.model): self._abort_cursor}, count=1000)
+            cursors = {self.keys.aborts(self.model): self._abort_cursor, self.lora_stream: self._lora_cursor}
+            pipe.xread(cursors, count=1000)
             if block:
                 taking = self._capacity([])[1] > 0
                 streams = dict.fromkeys(self.streams if taking else [self.util_stream], ">")
@@ -279,9 +287,14 @@ class EngineServer:
         if replies is None:
             return [], [], {}
         aborts = []
-        for entry_id, fields in replies[0][0][1] if replies[0] else ():
-            self._abort_cursor = entry_id
-            aborts.append(fields["id"])
+        for stream, items in replies[0] or ():
+            for entry_id, fields in items:
+                if stream == self.lora_stream:
+                    self._lora_cursor = entry_id
+                    self._update_adapters(P.parse(fields))
+                else:
+                    self._abort_cursor = entry_id
+                    aborts.append(fields["id"])
         entries = self._entries(replies[1]) if block else []
         aborted: dict[str, bool] = {}
         if entries or not block:
@@ -460,6 +473,36 @@ class EngineServer:
         if adapter is None:
             raise ModelNotFoundError(f"The model `{name}` does not exist: no such adapter of `{self.model}`.")
         return adapter
+
+    def _sync_adapters(self) -> None:
+        """At start: the adapters loaded at run time before this replica came (`protocol`: loraset), and
+        the update stream's position from which it reads on."""
+        last = self.redis.xrevrange(self.lora_stream, count=1)
+        self._lora_cursor = last[0][0] if last else "0-0"
+        for name, path in sorted(self.redis.hgetall(self.keys.lora_adapters(self.model)).items()):
+            try:
+                self.adapters.load(name, path)
+            except EngineError as exc:
+                log.warning("LoRA adapter %s (loaded at run time) not loaded: %s", name, exc)
+
+    def _update_adapters(self, message: P.Message) -> None:
+        """Applies one LoRA update and answers it on this replica's own output stream; the heartbeat goes
+        out at once, so the web tier routes the adapter's name (or stops routing it) from now on."""
+        try:
+            if isinstance(message, P.LoadLoRA):
+                self.adapters.load(message.lora_name, message.lora_path)
+            elif isinstance(message, P.UnloadLoRA):
+                self.adapters.unload(message.lora_name)
+            else:
+                raise InvalidRequestError(f"not a LoRA update: {message.type!r}")
+            answer: P.Message = P.Result()
+        except Exception as exc:
+            if not isinstance(exc, EngineError):
+                log.exception("LoRA update %s failed", message.type)
+            answer = P.Error.of(exc if isinstance(exc, EngineError) else InvalidRequestError(str(exc)))
+        self._writes.append((f"{message.id}:{self.replica_id}", answer))
+        self._update_stats()
+        self.heartbeat.beat()
 
     def _acknowledge_prepared(self) -> None:
         """Acks the requests whose grammar compiled (ahead of this step's deltas); refuses those whose

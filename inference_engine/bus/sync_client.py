@@ -262,6 +262,19 @@ class EngineClient(ClientBase):
         if timeout is not None:
             self._wait_for(lambda: not self.live_replicas(name), timeout, f"model {name!r} to unload")
 
+    def load_lora_adapter(self, model: str, lora_name: str, lora_path: str, timeout: float = 60.0) -> int:
+        """Serve the PEFT adapter in folder `lora_path` (a path the engines can read) as `lora_name` on every
+        replica of `model` (vLLM's /v1/load_lora_adapter); returns how many replicas loaded it. Replicas that
+        start later load it too. Raises InvalidRequestError for an adapter they cannot serve."""
+        message = P.LoadLoRA(uuid.uuid4().hex, lora_name, lora_path)
+        return self._run(self._core.update_lora(model, message, timeout))
+
+    def unload_lora_adapter(self, model: str, lora_name: str, timeout: float = 60.0) -> int:
+        """Stop serving `lora_name` on every replica of `model`: new requests for it get ModelNotFoundError,
+        running ones finish. Raises ModelNotFoundError when no replica serves it."""
+        message = P.UnloadLoRA(uuid.uuid4().hex, lora_name)
+        return self._run(self._core.update_lora(model, message, timeout))
+
     def _wait_for(self, condition: Any, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
         while not condition():

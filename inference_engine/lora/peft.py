@@ -48,6 +48,8 @@ def load_peft(path: str | Path, max_rank: int) -> PeftAdapter:
     """The adapter in folder `path`, its tensors in fp32; a clear InvalidRequestError for anything this engine
     does not serve (missing files, a bias, DoRA, a rank above `max_rank`, tensors without their pair)."""
     folder = Path(path)
+    if not folder.is_dir():
+        raise InvalidRequestError(f"LoRA adapter {path}: no such folder.")
     config_file, weights_file = folder / CONFIG_FILE, folder / WEIGHTS_FILE
     for file in (config_file, weights_file):
         if not file.is_file():

@@ -54,6 +54,16 @@ class LoRAManager:
         )
         return adapter
 
+    def forget(self, lora_int_id: int) -> None:
+        """An unloaded adapter: its slot is free at once if no request holds it, and its CPU copy is the
+        next to go (requests still waiting for a slot may need it until then)."""
+        if lora_int_id in self.cpu_cache:
+            self.cpu_cache.move_to_end(lora_int_id, last=False)
+        if lora_int_id in self.slot_ids:
+            slot = self.slot_ids.index(lora_int_id)
+            if self.holders[slot] == 0:
+                self.slot_ids[slot] = None
+
     def slot_of(self, request: LoRARequest | None) -> int:
         """The slot a held adapter is in; -1 for the base model."""
         return -1 if request is None else self.slot_ids.index(request.lora_int_id)
