@@ -140,6 +140,7 @@ USE_TZ = True
 
 STATIC_URL = "static/"
 STATIC_ROOT = BASE_DIR / "var" / "static"
+MEDIA_ROOT = BASE_DIR / "var" / "media"  # LoRA adapters uploaded in the admin go to its lora/ folder
 
 REDIS_URL = os.environ.get("LLMSERVE_REDIS_URL")
 

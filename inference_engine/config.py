@@ -120,7 +120,9 @@ class EngineConfig:
 
 def engine_flags(engine_args: dict[str, Any]) -> list[str]:
     """`serve` flags for EngineConfig options (names with underscores or dashes), as the supervisor and
-    `manage.py llmserve_engine` build command lines: booleans as --x / --no-x, objects as JSON."""
+    `manage.py llmserve_engine` build command lines: booleans as --x / --no-x, objects as JSON, lists as the
+    flag and then each value (``lora_modules``: ``--lora-modules a=PATH b=PATH``; objects among them as
+    JSON), an empty list as nothing."""
     flags = []
     for key, value in engine_args.items():
         flag = "--" + key.replace("_", "-")
@@ -128,6 +130,9 @@ def engine_flags(engine_args: dict[str, Any]) -> list[str]:
             flags.append(flag if value else "--no-" + flag[2:])
         elif isinstance(value, dict):
             flags += [flag, json.dumps(value)]
+        elif isinstance(value, list | tuple):
+            if value:
+                flags += [flag, *(json.dumps(v) if isinstance(v, dict) else str(v) for v in value)]
         elif value is not None:
             flags += [flag, str(value)]
     return flags

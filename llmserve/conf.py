@@ -57,6 +57,9 @@ Keys (all optional; defaults in `DEFAULTS`):
                          process; the next gets 429. ``0`` = unlimited.
 ``GRAMMAR_SECONDS_PER_MINUTE`` Seconds of constraint checking one key may use a minute in a web process; then
                          429 until the minute ends. ``0`` = unlimited.
+``LORA_DIR``             Folder where LoRA adapters uploaded in the admin are extracted (engines read them
+                         there, so on a shared disk when they run on other hosts). ``None``: ``lora/`` under
+                         ``MEDIA_ROOT``.
 ``MIN_PRIORITY``         The most urgent ``priority`` an API request may ask for (lower runs earlier; requests
                          that give none run at 0, bulk jobs at ``BULK_PRIORITY``). Default 0: a client may
                          only defer its own requests.
@@ -105,6 +108,7 @@ DEFAULTS: dict[str, Any] = {
     "GRAMMAR_TIMEOUT": 5.0,
     "GRAMMAR_PER_KEY": 2,
     "GRAMMAR_SECONDS_PER_MINUTE": 20.0,
+    "LORA_DIR": None,
 }
 
 

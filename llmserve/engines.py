@@ -1,11 +1,17 @@
-"""Live engine state for the admin and the API, read from the replicas' heartbeats on the bus."""
+"""Live engine state for the admin and the API, read from the replicas' heartbeats on the bus; which engines
+run a model or LoRA adapter name; and keeping running engines' adapters in step with the admin's."""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from inference_engine.bus.protocol import ModelInfo
 from inference_engine.errors import EngineError
+from llmserve.models import LoRAAdapter, ModelConfig
+
+log = logging.getLogger("llmserve.engines")
 
 
 @dataclass
@@ -42,3 +48,51 @@ def live_models() -> dict[str, ModelInfo]:
         return {m.name: m for m in bus.client().list_models()}
     except EngineError:
         return {}
+
+
+def engine_target(name: str, served: list[ModelInfo]) -> tuple[str, str | None]:
+    """(the served model whose engines run requests for `name`, the LoRA adapter they name or None), as the
+    API resolves a `model`: a served model by that name, else the model whose engines serve such an adapter,
+    else the base model of the adapter registered under that name (its engines may be down: the request
+    waits as any would). A name none of these know is returned as it is, for the engines to refuse."""
+    if any(info.name == name for info in served):
+        return name, None
+    for info in served:
+        if name in info.adapters:
+            return info.name, name
+    adapter = LoRAAdapter.objects.filter(name=name).select_related("base_model").first()
+    return (adapter.base_model.name, name) if adapter is not None else (name, None)
+
+
+def sync_adapters(base: ModelConfig, names: Iterable[str], reload: bool = False) -> list[tuple[int, str]]:
+    """Have the running engines of `base` serve the adapters `names` as the admin now says: each enabled
+    adapter of `base` loaded (`reload`: loaded again, its files changed), any other unloaded (running requests
+    for it finish; new ones get model_not_found). Sent as the bus's run-time LoRA updates, which every replica
+    applies at once and replicas started later replay; engines started afterwards also get the enabled
+    adapters as flags (`ModelConfig.engine_args`). Returns (message level, text) for the admin user."""
+    from django.contrib import messages
+
+    from llmserve import bus
+
+    info = live_models().get(base.name)
+    if info is None:
+        return [
+            (messages.INFO, f"{base.name} is not running: its engines load its adapters when they start.")
+        ]
+    wanted = {adapter.name: adapter.path for adapter in base.enabled_adapters()}
+    served = set(info.adapters)
+    client = bus.client()
+    notes = []
+    for name in sorted(set(names)):
+        try:
+            if name in served and (name not in wanted or reload):
+                client.unload_lora_adapter(base.name, name)
+                if name not in wanted:
+                    notes.append((messages.SUCCESS, f"{base.name}'s engines stopped serving {name}."))
+            if name in wanted and (name not in served or reload):
+                replicas = client.load_lora_adapter(base.name, name, wanted[name])
+                notes.append((messages.SUCCESS, f"{name} loaded by {replicas} engine(s) of {base.name}."))
+        except EngineError as exc:
+            log.warning("LoRA adapter %s on %s: %s", name, base.name, exc)
+            notes.append((messages.ERROR, f"{name} on {base.name}: {exc}"))
+    return notes

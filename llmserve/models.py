@@ -15,6 +15,8 @@ from django.utils.translation import gettext_lazy as _
 KEY_PREFIX = "sk-llm-"
 # What the engine resolves on the hub (inference_engine.model_loader.hub, which needs huggingface_hub).
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+(:[A-Za-z0-9][\w.-]*)?$")
+# What clients pass as `model`: a served model's or a LoRA adapter's name.
+SERVED_NAME = RegexValidator(r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$", _("Letters, digits and . _ : / - only."))
 
 
 class ModelConfig(models.Model):
@@ -52,9 +54,7 @@ class ModelConfig(models.Model):
         _("served name"),
         max_length=100,
         unique=True,
-        validators=[
-            RegexValidator(r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$", _("Letters, digits and . _ : / - only."))
-        ],
+        validators=[SERVED_NAME],
         help_text=_("The name clients pass as `model`."),
     )
     source = models.CharField(_("source"), max_length=10, choices=Source.choices, default=Source.BUNDLED)
@@ -122,6 +122,21 @@ class ModelConfig(models.Model):
     )
     gpu_memory_utilization = models.FloatField(_("GPU memory utilization"), default=0.9)
     enable_prefix_caching = models.BooleanField(_("prefix caching"), default=True)
+    max_loras = models.PositiveSmallIntegerField(
+        _("LoRA slots"),
+        default=4,
+        validators=[MinValueValidator(1)],
+        help_text=_(
+            "vLLM's --max-loras: adapters in one batch at once (requests for others wait for a slot). "
+            "Used when the model has enabled LoRA adapters."
+        ),
+    )
+    max_lora_rank = models.PositiveSmallIntegerField(
+        _("largest LoRA rank"),
+        default=16,
+        validators=[MinValueValidator(1)],
+        help_text=_("vLLM's --max-lora-rank: adapters of a higher rank are refused."),
+    )
     enabled = models.BooleanField(
         _("enabled"),
         default=True,
@@ -143,8 +158,12 @@ class ModelConfig(models.Model):
         """What the engine's ``--model`` gets: ``None`` selects the bundled default."""
         return None if self.source == self.Source.BUNDLED else self.path
 
+    def enabled_adapters(self) -> list[LoRAAdapter]:
+        return [] if self.pk is None else list(self.adapters.filter(enabled=True).order_by("name"))
+
     def engine_args(self) -> dict[str, Any]:
-        """Engine options by EngineConfig name (the supervisor's load message and `serve` flags use these)."""
+        """Engine options by EngineConfig name (the supervisor's load message and `serve` flags use these),
+        and `serve`'s ``lora_modules``: the enabled LoRA adapters, which the engine loads when it starts."""
         args: dict[str, Any] = {
             "runner": self.runner,
             "dtype": self.dtype,
@@ -167,6 +186,12 @@ class ModelConfig(models.Model):
             args["speculative_config"] = self.speculative_config
         if self.num_scheduler_steps != 1:
             args["num_scheduler_steps"] = self.num_scheduler_steps
+        adapters = self.enabled_adapters()
+        if adapters:
+            args["enable_lora"] = True
+            args["max_loras"] = self.max_loras
+            args["max_lora_rank"] = self.max_lora_rank
+            args["lora_modules"] = [adapter.module_spec() for adapter in adapters]
         return args
 
     def clean(self) -> None:
@@ -182,6 +207,94 @@ class ModelConfig(models.Model):
             raise ValidationError({"gpu_memory_utilization": _("Must be in (0, 1].")})
         if self.speculative_config is not None and not isinstance(self.speculative_config, dict):
             raise ValidationError({"speculative_config": _('A JSON object, e.g. {"method": "ngram"}.')})
+        if LoRAAdapter.objects.filter(name=self.name).exists():
+            raise ValidationError({"name": _("A LoRA adapter already has this name.")})
+        if self.pk is not None:
+            too_big = self.adapters.filter(enabled=True, rank__gt=self.max_lora_rank).first()
+            if too_big is not None:
+                raise ValidationError(
+                    {
+                        "max_lora_rank": _("The enabled adapter %(name)s has rank %(rank)d.")
+                        % {"name": too_big.name, "rank": too_big.rank}
+                    }
+                )
+
+
+class LoRAAdapter(models.Model):
+    """A LoRA adapter (a PEFT checkpoint folder) served beside its base model under its own ``name``.
+
+    The engines of ``base_model`` load the enabled adapters when they start (`ModelConfig.engine_args`), and
+    the admin has running engines pick up a change (`llmserve.engines.sync_adapters`). ``path`` is a folder
+    that the engines' host can read: typed in, or the folder an uploaded zip was extracted to
+    (`llmserve.lora_files`).
+    """
+
+    name = models.CharField(
+        _("served name"),
+        max_length=100,
+        unique=True,
+        validators=[SERVED_NAME],
+        help_text=_("The name clients pass as `model` to use this adapter."),
+    )
+    base_model = models.ForeignKey(
+        ModelConfig,
+        on_delete=models.CASCADE,
+        related_name="adapters",
+        verbose_name=_("base model"),
+        limit_choices_to={"runner": ModelConfig.Runner.GENERATE},
+    )
+    path = models.CharField(
+        _("path"),
+        max_length=500,
+        blank=True,
+        help_text=_(
+            "Folder holding adapter_config.json and adapter_model.safetensors, readable at this path on "
+            "the engines' host; or leave empty and upload the folder as a zip."
+        ),
+    )
+    uploaded = models.BooleanField(
+        _("uploaded"), default=False, editable=False, help_text=_("`path` is where an upload was extracted.")
+    )
+    rank = models.PositiveSmallIntegerField(_("rank"), null=True, editable=False)
+    target_modules = models.JSONField(_("target modules"), default=list, editable=False)
+    enabled = models.BooleanField(
+        _("enabled"), default=True, help_text=_("Engines of the base model serve enabled adapters only.")
+    )
+    created_at = models.DateTimeField(_("created"), auto_now_add=True)
+    updated_at = models.DateTimeField(_("updated"), auto_now=True)
+
+    class Meta:
+        verbose_name = _("LoRA adapter")
+        verbose_name_plural = _("LoRA adapters")
+        ordering = ("name",)
+
+    def __str__(self) -> str:
+        return self.name
+
+    def module_spec(self) -> str:
+        """This adapter as a `serve --lora-modules` value."""
+        return f"{self.name}={self.path}"
+
+    def clean(self) -> None:
+        from django.core.exceptions import ValidationError
+
+        if ModelConfig.objects.filter(name=self.name).exists():
+            raise ValidationError({"name": _("A model configuration already has this name.")})
+        if not self.path:
+            raise ValidationError({"path": _("Give the adapter's folder, or upload it as a zip.")})
+        base = ModelConfig.objects.filter(pk=self.base_model_id).first()
+        if base is None:
+            return
+        if base.runner != ModelConfig.Runner.GENERATE:
+            raise ValidationError({"base_model": _("Adapters need a model that generates.")})
+        if self.rank is not None and self.rank > base.max_lora_rank:
+            raise ValidationError(
+                _(
+                    "The adapter's rank %(rank)d is above its base model's largest LoRA rank "
+                    "(%(limit)d): raise that limit on %(base)s first."
+                )
+                % {"rank": self.rank, "limit": base.max_lora_rank, "base": base.name}
+            )
 
 
 def hash_key(raw_key: str) -> str:
@@ -224,6 +337,15 @@ class APIKey(models.Model):
             "none run at 0). Empty = the LLMSERVE['MIN_PRIORITY'] setting."
         ),
     )
+    allowed_models = models.JSONField(
+        _("allowed models"),
+        default=list,
+        blank=True,
+        help_text=_(
+            "The models and LoRA adapters this key may use, by served name; empty = all of them. Others "
+            "answer as if they did not exist."
+        ),
+    )
     revoked = models.BooleanField(_("revoked"), default=False)
     created_at = models.DateTimeField(_("created"), auto_now_add=True)
     last_used_at = models.DateTimeField(_("last used"), null=True, blank=True, editable=False)
@@ -247,6 +369,9 @@ class APIKey(models.Model):
         from llmserve import conf
 
         return conf.get("MIN_PRIORITY") if self.min_priority is None else self.min_priority
+
+    def may_use(self, model: str) -> bool:
+        return not self.allowed_models or model in self.allowed_models
 
     def revoke(self) -> None:
         self.revoked = True
