@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from django.utils import timezone
 
 from llmserve import conf, lookups, ratelimit
+from llmserve.api.errors import ModelNotFound
 from llmserve.models import APIKey
 
 
@@ -37,6 +38,22 @@ class Principal:
     def min_priority(self) -> int:
         """The most urgent request priority this caller may ask for."""
         return conf.get("MIN_PRIORITY") if self.key is None else self.key.effective_min_priority()
+
+    def may_use(self, model: str) -> bool:
+        """Whether this caller may use `model` (a model or an adapter): a key may be limited to some."""
+        return self.key is None or self.key.may_use(model)
+
+    def check_model(self, model: str) -> None:
+        """Raise OpenAI's answer for a model the caller may not use: the one for a model that does not exist,
+        so a limited key learns nothing of the others."""
+        if not self.may_use(model):
+            raise model_refused(model)
+
+
+def model_refused(model: str) -> ModelNotFound:
+    return ModelNotFound(
+        f"The model `{model}` does not exist or you do not have access to it.", param="model"
+    )
 
 
 def bearer_token(authorization: str | None) -> str | None:

@@ -8,11 +8,11 @@ Protocol (JSON text frames). The client sends
     {"type": "stop"}                                            # abort the running answer
     {"type": "models"}                                          # ask for the live models again
 
-and receives ``ready`` (with the live models) once connected, then per answer ``start`` (prompt token
-count), ``delta`` (new text; with tools, ``tool_calls`` pieces in the REST stream's shape; from an engine with
-a reasoning parser, ``reasoning_content`` apart from the text), and ``end`` (finish_reason, usage, ttft
-seconds, tokens_per_s), or ``error`` (code, message, param) for anything refused. A stopped answer ends with
-finish_reason ``"abort"``.
+and receives ``ready`` (with the live models and LoRA adapters the caller may use) once connected, then per
+answer ``start`` (prompt token count), ``delta`` (new text; with tools, ``tool_calls`` pieces in the REST
+stream's shape; from an engine with a reasoning parser, ``reasoning_content`` apart from the text), and
+``end`` (finish_reason, usage, ttft seconds, tokens_per_s), or ``error`` (code, message, param) for anything
+refused. A stopped answer ends with finish_reason ``"abort"``.
 
 The token loop runs as its own task so that a ``stop`` message or a disconnect is handled while tokens are
 still arriving: cancelling the task aborts the engine request, which frees its KV blocks within one step.
@@ -59,6 +59,7 @@ from llmserve.auth import (
     aauthenticate,
     acheck_rate,
     bearer_token,
+    model_refused,
 )
 
 log = logging.getLogger("llmserve.chat")
@@ -250,6 +251,8 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
             )
         except errors.APIError as exc:  # the constraint pool's budgets
             raise ChatError.from_api(exc) from None
+        if not principal.may_use(request.model):
+            raise ChatError.from_api(model_refused(request.model))
         await sync_to_async(close_old_connections)()  # as REST does: no connection held while streaming
         self.answer = Answer(content.get("id"), request.model)
         self.task = asyncio.create_task(self._stream(self.answer, request))
@@ -349,11 +352,18 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
         return self.principal
 
     async def _models(self) -> list[dict[str, Any]]:
+        """The served models and their LoRA adapters (``parent``: the adapter's base model) that the caller
+        may use."""
         try:
             served = await served_models()
         except EngineError as exc:
             raise ChatError.from_api(errors.from_engine_error(exc)) from None
-        return [{"id": name, "max_model_len": info.max_model_len} for name, info in served.items()]
+        models = [
+            {"id": name, "max_model_len": info.max_model_len, **({"parent": parent} if parent else {})}
+            for base, info in served.items()
+            for name, parent in ((base, None), *((adapter, base) for adapter in info.adapters))
+        ]
+        return [m for m in models if self.principal is None or self.principal.may_use(m["id"])]
 
     async def _models_or_empty(self) -> list[dict[str, Any]]:
         try:

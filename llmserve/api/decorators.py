@@ -60,7 +60,10 @@ def api_view(
                     )
                 principal = await _authorize(request) if authenticated else None
                 if json_body:
-                    return await view(request, _json_object(request), principal, *args, **kwargs)
+                    body = _json_object(request)
+                    if principal is not None and isinstance(body.get("model"), str):
+                        principal.check_model(body["model"])  # a key limited to some models
+                    return await view(request, body, principal, *args, **kwargs)
                 return await view(request, principal, *args, **kwargs)
             except errors.APIError as exc:
                 return _respond(exc, methods)

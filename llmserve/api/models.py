@@ -47,11 +47,12 @@ async def served_models() -> dict[str, ModelInfo]:
 async def model_list(request: HttpRequest, principal: Principal) -> HttpResponse:
     served = await served_models()
     data = [obj for m in served.values() for obj in (_model_object(m), *_adapter_objects(m))]
-    return JsonResponse({"object": "list", "data": data})
+    return JsonResponse({"object": "list", "data": [m for m in data if principal.may_use(m["id"])]})
 
 
 @api_view(("GET",))
 async def model_detail(request: HttpRequest, principal: Principal, model_id: str) -> HttpResponse:
+    principal.check_model(model_id)
     served = await served_models()
     if model_id in served:
         return JsonResponse(_model_object(served[model_id]))

@@ -21,6 +21,7 @@ from django.db import transaction
 
 from llmserve.api import schema
 from llmserve.api.errors import BadRequest
+from llmserve.auth import model_refused
 from llmserve.bulk import services
 from llmserve.bulk.models import Batch, BatchFile, BulkJob
 from llmserve.bulk.requests import ENDPOINT_KINDS
@@ -109,6 +110,8 @@ def create_batch(
     content = input_file.content
     parsed = parse_input(content if isinstance(content, bytes) else bytes(content), endpoint)
     first = next(parsed)  # raises for an empty or bad first request
+    if owner is not None and not owner.may_use(first[0]):  # every line has the first line's model
+        raise model_refused(first[0])
     requests = itertools.chain([first], parsed)
     # create_job reads a body, then its custom id: tee holds at most one request between the two.
     for_bodies, for_ids = itertools.tee(requests)

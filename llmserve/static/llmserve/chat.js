@@ -161,7 +161,8 @@
     ui.model.replaceChildren();
     for (const model of models) {
       const option = document.createElement("option");
-      option.value = option.textContent = model.id;
+      option.value = model.id;
+      option.textContent = model.parent ? `${model.id} (LoRA on ${model.parent})` : model.id;
       ui.model.append(option);
     }
     if (models.some((m) => m.id === wanted)) ui.model.value = wanted;
