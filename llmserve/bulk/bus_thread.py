@@ -38,8 +38,18 @@ class Flight:
 
 
 class BusThread:
-    def __init__(self, redis_url: str | None, settings: ClientSettings, model: str, priority: int) -> None:
-        self.model, self.priority = model, priority
+    """`model` is the served model whose engines run the job; `lora_name` the adapter its requests name (a job
+    whose model is a LoRA adapter runs on the adapter's base model)."""
+
+    def __init__(
+        self,
+        redis_url: str | None,
+        settings: ClientSettings,
+        model: str,
+        priority: int,
+        lora_name: str | None = None,
+    ) -> None:
+        self.model, self.priority, self.lora_name = model, priority, lora_name
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._serve, name="bulk-bus", daemon=True)
         self._thread.start()
@@ -113,6 +123,7 @@ class BusThread:
                     chat_options=request.api.chat_options if request.api is not None else None,
                     request_id=flight.request_id,
                     priority=self.priority,
+                    lora_name=self.lora_name,
                 )
             except InvalidRequestError:
                 if not await self.client.request_known(flight.request_id, started=False):

@@ -43,6 +43,7 @@ from llmserve import bus, conf, ratelimit
 from llmserve.bulk import capacity, requests, services
 from llmserve.bulk.bus_thread import BusThread, Flight, Outcome
 from llmserve.bulk.models import BulkItem, BulkJob, BulkRunner
+from llmserve.engines import engine_target, live_models
 
 log = logging.getLogger("llmserve.bulk")
 
@@ -100,7 +101,12 @@ class JobRunner:
             stream_timeout=STREAM_TIMEOUT,
             owner_ttl=OWNER_TIMEOUTS * float(conf.get("BULK_RUNNER_TIMEOUT")),
         )
-        self.bus = BusThread(conf.get("REDIS_URL"), settings, self.job.model, self.job.priority)
+        self.engine_model, lora_name = (
+            (self.job.model, None)  # embeddings resolve their model as /v1/embeddings does
+            if self.job.kind == BulkJob.Kind.EMBED
+            else engine_target(self.job.model, list(live_models().values()))
+        )
+        self.bus = BusThread(conf.get("REDIS_URL"), settings, self.engine_model, self.job.priority, lora_name)
         try:
             # An earlier run of this very task is dead (a task runs once at a time; it was redelivered).
             BulkRunner.objects.filter(task_id=self.task_id).delete()
@@ -189,7 +195,7 @@ class JobRunner:
         except (EngineError, TimeoutError) as exc:
             log.warning("job %s: cannot read the engines' load (%s)", self.job_id, exc)
             return 0
-        replicas = next((m.replicas for m in models if m.name == self.job.model), [])
+        replicas = next((m.replicas for m in models if m.name == self.engine_model), [])
         per_item = self.observed_tokens / self.observed_items if self.observed_items else None
         target = capacity.bulk_target(replicas, per_item, int(conf.get("MAX_QUEUE")))
         alive_since = timezone.now() - timedelta(seconds=float(conf.get("BULK_RUNNER_TIMEOUT")))

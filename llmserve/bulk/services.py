@@ -24,7 +24,7 @@ from django.db.models import Count, Q, Sum
 from django.utils import timezone
 
 from inference_engine.bus.client import EngineClient
-from llmserve import bus, conf
+from llmserve import bus, conf, engines
 from llmserve.bulk import requests, uploads
 from llmserve.bulk.models import Batch, BulkItem, BulkJob, BulkRunner
 from llmserve.models import APIKey
@@ -150,9 +150,12 @@ def cancel_job(job: BulkJob, client: EngineClient | None = None) -> bool:
     client = client or bus.client()
     held = BulkItem.objects.filter(job=job, status=BulkItem.Status.PENDING, runner__isnull=False)
     leased = False
+    model = job.model
     for index, attempt in held.values_list("index", "attempts").iterator():
+        if not leased and job.kind != BulkJob.Kind.EMBED:  # a LoRA adapter's requests run on its base model
+            model = engines.engine_target(job.model, list(engines.live_models().values()))[0]
         leased = True
-        client.abort(job.model, job.request_id(index, attempt))
+        client.abort(model, job.request_id(index, attempt))
     if not leased:  # no runner holds an item, so none may be left to notice the cancel: finish it here
         finalize(job, BulkJob.Status.CANCELLED)
     return True
