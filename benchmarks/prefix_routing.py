@@ -3,12 +3,16 @@ each) and a multi-turn chat workload over a long shared system prompt, in one ru
 
 Each policy gets a fresh pair of replicas (empty prefix caches) and the same workload: `--conversations`
 conversations of `--turns` turns, run concurrently (each sends its next turn when the previous answer is
-complete, so the turns arrive interleaved), greedy, every answer fed back into its conversation. Reported per
-policy: the replicas' prefix cache hit rate and prefilled tokens (from their heartbeats), client-side TTFT
-p50/p90, output tokens/s over the workload's wall time, the routing decisions; and whether the two policies
-gave identical answers. Writes ``benchmarks/results/prefix_routing.json`` and ``prefix_routing.png``.
+complete, so the turns arrive interleaved), greedy, every answer fed back into its conversation. Each user
+turn carries `--order-lines` lines of an order history (what a customer pastes) and each answer is
+`--max-tokens` tokens long (``min_tokens`` holds it there), so a conversation's history grows by a realistic
+amount per turn rather than by a one-line question and whatever length a 135M model happens to stop at.
+Reported per policy: the replicas' prefix cache hit rate and prefilled tokens (from their heartbeats),
+client-side TTFT p50/p90, output tokens/s over the workload's wall time, the routing decisions; and whether
+the two policies gave identical answers. Writes ``benchmarks/results/prefix_routing.json`` and
+``prefix_routing.png``.
 
-    .venv/bin/python -m benchmarks.prefix_routing [--conversations 16] [--turns 6] [--max-tokens 24]
+    .venv/bin/python -m benchmarks.prefix_routing [--conversations 16] [--turns 6] [--max-tokens 96]
 """
 
 from __future__ import annotations
@@ -81,17 +85,24 @@ def wait_live(client: EngineClient, procs: list[subprocess.Popen]) -> None:
         time.sleep(0.2)
 
 
-def converse(client: EngineClient, system: str, c: int, turns: int, max_tokens: int) -> list[dict[str, Any]]:
+def user_turn(c: int, t: int, order_lines: int) -> str:
+    """Customer `c`'s question `t`, with the order lines they paste (about 12 tokens a line)."""
+    orders = "\n".join(
+        f"order {c * 1000 + t * 50 + i}: {(c + i) % 7 + 1} x part {(c * 31 + t * 7 + i * 13) % 997}, "
+        f"shipped {(i * 3 + t) % 28 + 1} March"
+        for i in range(order_lines)
+    )
+    return f"Customer {c}, question {t}: what about item {c * 10 + t}? My orders:\n{orders}"
+
+
+def converse(client: EngineClient, system: str, c: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     messages = [{"role": "system", "content": system}]
     records = []
-    for t in range(turns):
-        messages.append(
-            {"role": "user", "content": f"Customer {c}, question {t}: what about item {c * 10 + t}?"}
-        )
+    params = {"temperature": 0.0, "max_tokens": args.max_tokens, "min_tokens": args.max_tokens}
+    for t in range(args.turns):
+        messages.append({"role": "user", "content": user_turn(c, t, args.order_lines)})
         sent = time.perf_counter()
-        stream = client.generate(
-            MODEL, messages=messages, params={"temperature": 0.0, "max_tokens": max_tokens}
-        )
+        stream = client.generate(MODEL, messages=messages, params=params)
         first, text, tokens = None, "", 0
         for delta in stream:
             for out in delta.outputs:
@@ -131,10 +142,7 @@ def run_policy(url: str, policy: str, args: argparse.Namespace, system: str) -> 
         system_tokens = len(client.tokenize(MODEL, system).token_ids)
         started = time.perf_counter()
         with ThreadPoolExecutor(args.conversations) as pool:
-            futures = [
-                pool.submit(converse, client, system, c, args.turns, args.max_tokens)
-                for c in range(args.conversations)
-            ]
+            futures = [pool.submit(converse, client, system, c, args) for c in range(args.conversations)]
             records = [r for f in futures for r in f.result()]
         wall = time.perf_counter() - started
         time.sleep(1.5)  # the last heartbeats carry the final counters
@@ -198,7 +206,10 @@ def main() -> None:
     )
     parser.add_argument("--conversations", type=int, default=16)
     parser.add_argument("--turns", type=int, default=6)
-    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--max-tokens", type=int, default=96, help="each answer's length")
+    parser.add_argument(
+        "--order-lines", type=int, default=8, help="order lines per user turn (~12 tokens each)"
+    )
     parser.add_argument("--system-sentences", type=int, default=36, help="36: about 1,000 tokens")
     args = parser.parse_args()
     system = system_prompt(args.system_sentences)
@@ -210,6 +221,7 @@ def main() -> None:
             "conversations": args.conversations,
             "turns": args.turns,
             "max_tokens": args.max_tokens,
+            "order_lines": args.order_lines,
             "system_prompt_chars": len(system),
             "system_prompt_tokens": shared["system_prompt_tokens"],
             "mean_prompt_tokens": shared["prompt_tokens_looked_up"] / shared["requests"],
