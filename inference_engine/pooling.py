@@ -30,17 +30,24 @@ if TYPE_CHECKING:
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 
-# sentence-transformers' Pooling config: which of its modes we run, by the flag that selects it.
+# sentence-transformers' Pooling modes, as its `pooling_mode` names them (from version 6) and as the flags of
+# older versions' configs (`pooling_mode_<flag>: true`) do; None: a mode we do not run.
 _ST_MODES = {
-    "pooling_mode_lasttoken": "LAST",
-    "pooling_mode_mean_tokens": "MEAN",
-    "pooling_mode_cls_token": "CLS",
+    "lasttoken": "LAST",
+    "mean": "MEAN",
+    "cls": "CLS",
+    "max": None,
+    "mean_sqrt_len_tokens": None,
+    "weightedmean": None,
 }
-_ST_UNSUPPORTED = (
-    "pooling_mode_max_tokens",
-    "pooling_mode_mean_sqrt_len_tokens",
-    "pooling_mode_weightedmean_tokens",
-)
+_ST_FLAGS = {
+    "pooling_mode_lasttoken": "lasttoken",
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_max_tokens": "max",
+    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+    "pooling_mode_weightedmean_tokens": "weightedmean",
+}
 
 
 @dataclass
@@ -132,14 +139,17 @@ def sentence_transformers_defaults(checkpoint: str | Path) -> PoolerConfig:
     pooling_type = None
     if "Pooling" in kinds:
         config = json.loads((folder / kinds["Pooling"] / "config.json").read_text())
-        if on := [name for name in _ST_UNSUPPORTED if config.get(name)]:
-            raise InvalidRequestError(f"{folder}: sentence-transformers pooling {on[0]} is not supported.")
-        chosen = [kind for flag, kind in _ST_MODES.items() if config.get(flag)]
-        if len(chosen) != 1:
+        modes = config.get("pooling_mode", [mode for flag, mode in _ST_FLAGS.items() if config.get(flag)])
+        modes = [modes] if isinstance(modes, str) else list(modes)
+        if len(modes) != 1:
             raise InvalidRequestError(
-                f"{folder}: its Pooling module must select exactly one of LAST, MEAN, CLS."
+                f"{folder}: its Pooling module must select exactly one mode (it selects {modes})."
             )
-        pooling_type = chosen[0]
+        pooling_type = _ST_MODES.get(modes[0])
+        if pooling_type is None:
+            raise InvalidRequestError(
+                f"{folder}: sentence-transformers' pooling {modes[0]!r} is not supported."
+            )
     return PoolerConfig(pooling_type=pooling_type, normalize="Normalize" in kinds)
 
 

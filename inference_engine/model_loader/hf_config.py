@@ -48,14 +48,41 @@ def _moe_fields(arch: str, raw: dict) -> dict:
     )
 
 
+# Encoder-only families (bidirectional attention, no causal mask): embedding models such as BGE, E5 or GTE's
+# BERT-sized ones. `is_decoder` does not tell them apart: transformers 4 wrote `"is_decoder": false` into
+# decoders' config.json too.
+_ENCODER_ONLY_TYPES = {
+    "albert", "bert", "camembert", "deberta", "deberta-v2", "distilbert", "electra", "ernie", "modernbert",
+    "mpnet", "new", "nomic_bert", "roberta", "xlm-roberta", "xlm-roberta-xl",
+}  # fmt: skip
+
+
 def model_class(raw: dict):
+    """(architecture, class). A decoder's base model (`LlamaModel`: what sentence-transformers saves) is
+    its causal-LM class's body without the head (`base_model`)."""
     from inference_engine.models import MODEL_CLASSES
 
     archs = raw.get("architectures") or []
     for arch in archs:
         if arch in MODEL_CLASSES:
             return arch, MODEL_CLASSES[arch]
+        causal = base_model(arch)
+        if causal is not None and causal in MODEL_CLASSES:
+            return causal, MODEL_CLASSES[causal]
+    model_type = raw.get("model_type")
+    if model_type in _ENCODER_ONLY_TYPES:
+        name = archs[0] if archs else model_type
+        raise ValueError(
+            f"{name} (model_type {model_type!r}) is an encoder-only model: encoder-only embedding models are "
+            "not supported yet; serve a decoder embedding model (e.g. Qwen3-Embedding, e5-mistral) instead."
+        )
     raise ValueError(f"architecture {archs} is not supported (supported: {sorted(MODEL_CLASSES)}).")
+
+
+def base_model(arch: str) -> str | None:
+    """The causal-LM architecture whose body `arch` names (`LlamaModel` -> `LlamaForCausalLM`); None if
+    `arch` is not a base-model name."""
+    return arch.removesuffix("Model") + "ForCausalLM" if arch.endswith("Model") else None
 
 
 def _rope(raw: dict) -> tuple[dict, dict | None]:
@@ -107,6 +134,7 @@ def model_config(raw: dict, eos_token_ids: list[int]) -> ModelConfig:
     if layer_types is not None and "sliding_attention" not in layer_types:
         window = 0
     moe = _moe_fields(arch, raw) if arch in _MOE_ARCHITECTURES else {}
+    tied = raw.get("tie_word_embeddings", False) or arch not in (raw.get("architectures") or [])
     return (MoEModelConfig if moe else ModelConfig)(
         **moe,
         architecture=arch,
@@ -121,7 +149,8 @@ def model_config(raw: dict, eos_token_ids: list[int]) -> ModelConfig:
         rms_norm_eps=raw.get("rms_norm_eps", 1e-5),
         rope_theta=full["rope_theta"],
         rope_scaling=scaling,
-        tie_word_embeddings=raw.get("tie_word_embeddings", False),
+        # A base model (`base_model`) has no head: its embedding stands in (a pooling runner reads no logits).
+        tie_word_embeddings=tied,
         attention_bias=raw.get("attention_bias", raw.get("qkv_bias", cls.attention_bias)),
         eos_token_ids=eos_token_ids,
         hidden_act=raw.get("hidden_activation") or raw.get("hidden_act") or "silu",

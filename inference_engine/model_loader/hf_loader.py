@@ -33,6 +33,8 @@ def load(folder: Path, quantization: str | None = None) -> LoadedModel:
         hf_quant.QuantConfig(declared, raw["quantization_config"]) if declared in hf_quant.METHODS else None
     )
     weights = _weights(folder, qconfig, dequantize=method == "none")
+    if config.architecture not in (raw.get("architectures") or []):  # a base model: its body's names
+        weights = ((f"model.{name}", weight) for name, weight in weights)
     return LoadedModel(
         name=folder.name, config=config, tokenizer=tokenizer, weights=weights, quantization=method
     )

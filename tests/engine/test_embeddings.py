@@ -3,8 +3,9 @@ weights: LAST pooling alone and batched, MEAN pooling from a sentence-transforme
 over several steps), Matryoshka dimensions, truncation, refusals, embeddings beside generation in one batch,
 and KV blocks freed and never cached.
 
-sentence-transformers is not installed here, so the folder's json files are written as its `save` writes them
-(`modules.json`, `1_Pooling/config.json`, an empty `2_Normalize`).
+The folder here is written as sentence-transformers before version 6 saved one (`modules.json`,
+`1_Pooling/config.json` with one `pooling_mode_*` flag set, an empty `2_Normalize`); folders written by the
+installed sentence-transformers' own `save` are tested in test_embeddings_sentence_transformers.py.
 """
 
 from __future__ import annotations
@@ -197,7 +198,15 @@ def test_sentence_transformers_defaults(tmp_path) -> None:
     assert PoolerConfig().resolve(None) == PoolerConfig("LAST", True)
     config = tmp_path / "1_Pooling" / "config.json"
     config.write_text(json.dumps({"pooling_mode_max_tokens": True}))
-    with pytest.raises(InvalidRequestError, match="pooling_mode_max_tokens"):
+    with pytest.raises(InvalidRequestError, match="pooling 'max' is not supported"):
+        sentence_transformers_defaults(tmp_path)
+    # sentence-transformers 6 names the mode (or a list of modes)
+    config.write_text(json.dumps({"embedding_dimension": 576, "pooling_mode": "lasttoken"}))
+    assert sentence_transformers_defaults(tmp_path) == PoolerConfig("LAST", False)
+    config.write_text(json.dumps({"pooling_mode": ["mean"]}))
+    assert sentence_transformers_defaults(tmp_path) == PoolerConfig("MEAN", False)
+    config.write_text(json.dumps({"pooling_mode": ["mean", "max"]}))
+    with pytest.raises(InvalidRequestError, match="exactly one mode"):
         sentence_transformers_defaults(tmp_path)
     with pytest.raises(InvalidRequestError, match="pooling_type"):
         PoolerConfig.of({"pooling_type": "MAX"})
