@@ -12,6 +12,7 @@ database, Redis and secret without editing files:
 ``LLMSERVE_DB_PATH``    SQLite database file when ``DATABASE_URL`` is unset (default: ``db.sqlite3`` here)
 ``LLMSERVE_REDIS_URL``  Redis of the request bus (also Celery's broker unless ``CELERY_BROKER_URL`` is set)
 ``LLMSERVE_OPEN_ACCESS`` ``1`` serves the API without API keys
+``LLMSERVE_ALLOW_RUNTIME_LORA_UPDATING`` ``1`` serves /v1/load_lora_adapter and /v1/unload_lora_adapter
 ``LLMSERVE_CORS_ALLOWED_ORIGINS`` comma-separated origins (``https://app.example.com``) whose pages may call
                         the API from the browser (CORS); default: none
 ``PROMETHEUS_MULTIPROC_DIR`` where the web processes keep their metrics (default: ``var/prometheus``; the run
@@ -180,6 +181,7 @@ if HTTPS:
 LLMSERVE = {
     "REDIS_URL": REDIS_URL,
     "OPEN_ACCESS": os.environ.get("LLMSERVE_OPEN_ACCESS", "") == "1",
+    "ALLOW_RUNTIME_LORA_UPDATING": os.environ.get("LLMSERVE_ALLOW_RUNTIME_LORA_UPDATING", "") == "1",
 }
 
 # Browser apps on these origins may call the API with an API key (no cookies: credentials stay disallowed).

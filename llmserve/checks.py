@@ -52,7 +52,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
                     f"LLMSERVE[{key!r}] must be a positive number, got {value!r}.", id="llmserve.E004"
                 )
             )
-    for key in ("OPEN_ACCESS", "REJECT_UNKNOWN_FIELDS"):
+    for key in ("OPEN_ACCESS", "REJECT_UNKNOWN_FIELDS", "ALLOW_RUNTIME_LORA_UPDATING"):
         if not isinstance(values[key], bool):
             errors.append(
                 checks.Error(

@@ -35,6 +35,9 @@ Keys (all optional; defaults in `DEFAULTS`):
                          (`llmserve.lookups`): changes saved in another process take effect within this time,
                          changes saved in this one at once. ``0`` reads the database on every request.
 ``SUPERVISOR``           Name of the engine supervisor that admin load / unload actions address.
+``ALLOW_RUNTIME_LORA_UPDATING`` ``True`` serves ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``
+                         (vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``) to callers with an API key. Default
+                         ``False``: both answer 404.
 ``ENGINE_THREADS``       Torch threads of engines started by ``manage.py llmserve_engine`` (``None``: torch's
                          choice).
 ``CHAT_LOGIN_REQUIRED``  ``True`` (default): the WebSocket chat serves logged-in users and API keys only.
@@ -95,6 +98,7 @@ DEFAULTS: dict[str, Any] = {
     "RETRY_AFTER": 1,
     "LOOKUP_CACHE_SECONDS": 5.0,
     "SUPERVISOR": "default",
+    "ALLOW_RUNTIME_LORA_UPDATING": False,
     "ENGINE_THREADS": None,
     "CHAT_LOGIN_REQUIRED": True,
     "BULK_PRIORITY": 10,

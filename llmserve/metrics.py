@@ -6,10 +6,11 @@ finished requests by finish reason, and prompt / generated token counts per requ
 prometheus_client's multiprocess mode when ``PROMETHEUS_MULTIPROC_DIR`` names a directory (the host
 project's settings set one, and its run command empties it at start), so that several web workers add up;
 without it, in this process. Engine state (running / waiting requests, KV usage, token totals, preemptions,
-step time and the part of it in mixture-of-experts kernels, speculative decoding's drafts and accepted tokens)
-comes from the replicas' heartbeats when /metrics is scraped; a model has a sample of each such metric where
-its replicas report it (speculative decoding's only where it is configured, as vLLM registers them; the
-experts' time only where the model has experts on the CPU).
+step time and the part of it in mixture-of-experts kernels, speculative decoding's drafts and accepted tokens,
+requests per LoRA adapter as vLLM's ``lora_requests_info``) comes from the replicas' heartbeats when /metrics
+is scraped; a model has a sample of each such metric where its replicas report it (speculative decoding's
+only where it is configured, as vLLM registers them; the experts' time only where the model has experts on
+the CPU).
 
 The two agree: one engine request is one ``request_success`` (per sample, as vLLM counts the n samples of a
 request), one time-to-first-token observation per sample that produced a token, and the sums of
@@ -243,6 +244,7 @@ class _EngineCollector:
                     family.add_metric([model.name], aggregate([s.get(stat, 0) for s in stats]))
             yield family
         yield self._accepted_per_position()
+        yield from self._lora()
         replicas = GaugeMetricFamily(
             PREFIX + "engine_replicas", "Live engine replicas.", labels=["model_name"]
         )
@@ -266,6 +268,41 @@ class _EngineCollector:
             for position in sorted(totals):
                 family.add_metric([model.name, str(position)], totals[position])
         return family
+
+    def _lora(self) -> Iterator[Metric]:
+        """vLLM's `lora_requests_info` (the adapters with running / waiting requests as comma-separated
+        labels, the slots as `max_lora`, the value the time of the newest heartbeat), and the requests per
+        adapter, summed over replicas; only for models whose engines serve adapters."""
+        info = GaugeMetricFamily(
+            PREFIX + "lora_requests_info",
+            "Running stats on LoRA requests.",
+            labels=["model_name", "running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+        )
+        counts = {
+            state: GaugeMetricFamily(
+                f"{PREFIX}lora_num_requests_{state}",
+                f"Requests {state} per LoRA adapter.",
+                labels=["model_name", "lora_name"],
+            )
+            for state in ("running", "waiting")
+        }
+        for model in self.models:
+            stats = [r.data.get("stats", {}) for r in model.replicas]
+            if not any("max_lora" in s for s in stats):
+                continue
+            totals: dict[str, collections.Counter[str]] = {}
+            for state in counts:
+                totals[state] = collections.Counter()
+                for s in stats:
+                    totals[state].update(s.get(f"lora_{state}", {}))
+                for name in sorted(totals[state]):
+                    counts[state].add_metric([model.name, name], totals[state][name])
+            labels = [",".join(sorted(totals[state])) for state in ("running", "waiting")]
+            max_lora = str(max(s.get("max_lora", 0) for s in stats))
+            newest = max(r.data.get("time", 0.0) for r in model.replicas)
+            info.add_metric([model.name, *labels, max_lora], newest)
+        yield info
+        yield from counts.values()
 
 
 class _Aliased:

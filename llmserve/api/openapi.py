@@ -230,6 +230,19 @@ class BatchCreateRequest(schema.RequestModel):
     metadata: dict[str, str] | None = None
 
 
+class LoadLoRAAdapterRequest(BaseModel):
+    """vLLM's; `model`: the base model (optional while one served model takes adapters)."""
+
+    lora_name: str
+    lora_path: str  # a PEFT folder the engines can read
+    model: str | None = None
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    lora_name: str
+    model: str | None = None
+
+
 class FileUpload(BaseModel):
     file: bytes = Field(json_schema_extra={"format": "binary"})
     purpose: Literal["batch"]
@@ -277,6 +290,22 @@ _ENDPOINTS: list[tuple[str, str, str, type[BaseModel] | None, type[BaseModel] | 
     ("/tokenize", "post", "Tokenize a prompt or messages", schema.TokenizeRequest, Tokenized, True),
     ("/detokenize", "post", "Text of token ids", schema.DetokenizeRequest, Detokenized, True),
     ("/tokenizer_info", "get", "The tokenizer's special tokens and chat template", None, TokenizerInfo, True),
+    (
+        "/v1/load_lora_adapter",
+        "post",
+        "Serve a LoRA adapter on every replica of its base model (LLMSERVE['ALLOW_RUNTIME_LORA_UPDATING'])",
+        LoadLoRAAdapterRequest,
+        None,
+        True,
+    ),
+    (
+        "/v1/unload_lora_adapter",
+        "post",
+        "Stop serving a LoRA adapter (running requests finish)",
+        UnloadLoRAAdapterRequest,
+        None,
+        True,
+    ),
     ("/health", "get", "Whether the bus answers, with each model's replicas", None, Health, False),
     ("/ping", "get", "The same as /health (vLLM's name for SageMaker)", None, Health, False),
     ("/version", "get", "The server's version", None, Version, False),

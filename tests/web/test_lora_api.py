@@ -1,18 +1,25 @@
 """LoRA adapters through the whole stack (issue 59): `serve --enable-lora --lora-modules` (both of vLLM's
 forms), `/v1/models` lists each adapter with its base model as `parent`, and the openai client with
-`model=<adapter>` gets the greedy tokens the offline engine gives with that adapter, streamed and not."""
+`model=<adapter>` gets the greedy tokens the offline engine gives with that adapter, streamed and not.
+Adapters loaded and unloaded at run time (`/v1/load_lora_adapter`, `/v1/unload_lora_adapter`) and vLLM's
+`vllm:lora_requests_info` in /metrics."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
+from django.test import AsyncClient, override_settings
+from prometheus_client.parser import text_string_to_metric_families
 
 from inference_engine.bus.sync_client import EngineClient
 from inference_engine.errors import InvalidRequestError, ModelNotFoundError
@@ -38,6 +45,15 @@ def adapter_paths(tmp_path_factory) -> dict[str, Path]:
     }
 
 
+class RuntimeLoRAStack(Stack):
+    """The stack with LLMSERVE["ALLOW_RUNTIME_LORA_UPDATING"] on (hostproject reads it from its
+    environment)."""
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {**super().env, "LLMSERVE_ALLOW_RUNTIME_LORA_UPDATING": "1"}
+
+
 @pytest.fixture(scope="module")
 def lora_stack(adapter_paths) -> Iterator[Stack]:
     json_form = {"name": "customer-b", "path": str(adapter_paths["customer-b"]), "base_model_name": BASE}
@@ -52,7 +68,7 @@ def lora_stack(adapter_paths) -> Iterator[Stack]:
         f"customer-a={adapter_paths['customer-a']}",
         json.dumps(json_form),
     ]
-    stack = Stack(model=BASE, engine_flags=flags).start()
+    stack = RuntimeLoRAStack(model=BASE, engine_flags=flags).start()
     try:
         yield stack
     finally:
@@ -187,3 +203,108 @@ def test_serve_refuses_a_bad_adapter_at_start(tmp_path):
         [*command[:4], "--lora-modules", "a=/x"], capture_output=True, text=True, timeout=60
     )
     assert done.returncode != 0 and "--lora-modules needs --enable-lora" in done.stderr
+
+
+def _post(stack: Stack, path: str, body: dict) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {stack.api_key}"}
+    return httpx.post(stack.base_url + path, json=body, headers=headers, timeout=60)
+
+
+def _lora_info(stack: Stack) -> list[dict[str, str]]:
+    """The label sets of vllm:lora_requests_info in /metrics."""
+    text = httpx.get(stack.base_url + "/metrics", timeout=10).text
+    return [
+        sample.labels
+        for family in text_string_to_metric_families(text)
+        if family.name == "vllm:lora_requests_info"
+        for sample in family.samples
+    ]
+
+
+def _wait_lora_info(stack: Stack, **labels: str) -> None:
+    deadline = time.monotonic() + 10
+    while not any(all(info.get(k) == v for k, v in labels.items()) for info in _lora_info(stack)):
+        assert time.monotonic() < deadline, f"no lora_requests_info with {labels}: {_lora_info(stack)}"
+        time.sleep(0.1)
+
+
+def test_runtime_load_and_unload_of_an_adapter_in_use(lora_stack, adapter_paths, offline, tmp_path):
+    """Issue 59: unload of an adapter in use lets the running request finish (with the adapter's tokens)
+    and gives new requests a 404 model error. Before that: bad adapters are a 400 naming the problem and the
+    engine keeps serving; a loaded adapter is listed under its base and runs as the offline engine runs it;
+    /metrics shows it among the running adapters while its request runs."""
+    client = _client(lora_stack)
+    too_big = write_adapter(tmp_path / "big", 32, 32, ["q_proj"], {}, seed=3)
+    for path, reason in [(too_big, "above max_lora_rank 16"), (tmp_path / "nowhere", "no such folder")]:
+        reply = _post(lora_stack, "/v1/load_lora_adapter", {"lora_name": "broken", "lora_path": str(path)})
+        assert reply.status_code == 400 and reason in reply.json()["error"]["message"], reply.text
+    reply = _post(lora_stack, "/v1/load_lora_adapter", {"lora_name": "runtime-b"})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "lora_path"
+
+    path = str(adapter_paths["customer-b"])  # the offline engine's tokens for it are known
+    reply = _post(lora_stack, "/v1/load_lora_adapter", {"lora_name": "runtime-b", "lora_path": path})
+    assert reply.status_code == 200, reply.text
+    assert reply.text == "Success: LoRA adapter 'runtime-b' added successfully."
+    assert client.models.retrieve("runtime-b").parent == BASE
+    _wait_lora_info(lora_stack, model_name=BASE, max_lora="1")
+
+    long = 64  # long enough to be running while the unload goes out
+    stream = client.completions.create(
+        model="runtime-b",
+        prompt=TEXT,
+        max_tokens=long,
+        temperature=0.0,
+        logprobs=1,
+        stream=True,
+        extra_body=EXTRA,
+    )
+    tokens: list[str] = []
+    at_unload = None  # tokens received when the unload was answered
+    finish = None
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].logprobs:
+            tokens += chunk.choices[0].logprobs.tokens
+            if at_unload is None:  # the request runs: unload its adapter
+                _wait_lora_info(lora_stack, model_name=BASE, running_lora_adapters="runtime-b")
+                reply = _post(lora_stack, "/v1/unload_lora_adapter", {"lora_name": "runtime-b"})
+                assert reply.status_code == 200, reply.text
+                assert reply.text == "Success: LoRA adapter 'runtime-b' removed successfully."
+                at_unload = len(tokens)
+        if chunk.choices and chunk.choices[0].finish_reason:
+            finish = chunk.choices[0].finish_reason
+    assert finish == "length" and len(tokens) == long and at_unload < long  # it ran on after the unload
+    assert _ids(tokens)[:MAX_TOKENS] == offline["customer-b"]  # with its adapter to the end
+
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.completions.create(model="runtime-b", prompt=TEXT, max_tokens=2)
+    assert caught.value.code == "model_not_found" and "runtime-b" in caught.value.message
+    assert "runtime-b" not in {m.id for m in client.models.list().data}
+    reply = _post(lora_stack, "/v1/unload_lora_adapter", {"lora_name": "runtime-b"})
+    assert reply.status_code == 404 and "'runtime-b' cannot be found" in reply.json()["error"]["message"]
+    _wait_lora_info(lora_stack, model_name=BASE, running_lora_adapters="", waiting_lora_adapters="")
+    served = client.completions.create(
+        model="customer-b", prompt=TEXT, max_tokens=MAX_TOKENS, temperature=0.0, logprobs=1, extra_body=EXTRA
+    )
+    assert _ids(served.choices[0].logprobs.tokens) == offline["customer-b"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_runtime_lora_updating_is_off_by_default():
+    """Without LLMSERVE["ALLOW_RUNTIME_LORA_UPDATING"] both endpoints are a 404 that says how to turn them on
+    (and the OpenAPI document lists them); with it, an anonymous caller of an open deployment is refused."""
+    from llmserve.api.openapi import document
+
+    async def post(path: str) -> tuple[int, dict]:
+        body = json.dumps({"lora_name": "x", "lora_path": "/x"})
+        reply = await AsyncClient().post(path, body, content_type="application/json")
+        return reply.status_code, json.loads(reply.content)
+
+    for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+        assert "post" in document()["paths"][path]
+        with override_settings(LLMSERVE={"OPEN_ACCESS": True, "DEFAULT_RATE_LIMIT": 0}):
+            status, body = asyncio.run(post(path))
+        assert status == 404 and "ALLOW_RUNTIME_LORA_UPDATING" in body["error"]["message"]
+        on = {"OPEN_ACCESS": True, "DEFAULT_RATE_LIMIT": 0, "ALLOW_RUNTIME_LORA_UPDATING": True}
+        with override_settings(LLMSERVE=on):
+            status, body = asyncio.run(post(path))
+        assert status == 401 and "needs an API key" in body["error"]["message"]
