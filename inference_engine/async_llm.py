@@ -3,6 +3,7 @@
     engine = AsyncLLM(model=...)  # or AsyncLLM.from_llm(llm) to share an LLM's engine and batch
     async for output in engine.generate(prompt, SamplingParams(...), request_id):
         ...  # cumulative RequestOutputs; the last has finished=True
+    vector = (await engine.embed(text)).outputs.embedding  # or vLLM's `encode` stream
 
 Streams from any number of tasks (and `LLM` calls from threads) join the engine loop's one continuous
 batch. A stream whose task is cancelled, or that is closed early, aborts its request before the next step.
@@ -11,13 +12,16 @@ batch. A stream whose task is cancelled, or that is closed early, aborts its req
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import AsyncGenerator, Iterable
+from contextlib import aclosing
 
 from inference_engine.config import EngineConfig
 from inference_engine.engine_loop import EngineLoop, Request
 from inference_engine.llm import LLM, PromptType, prompt_of
 from inference_engine.llm_engine import LLMEngine
-from inference_engine.outputs import RequestOutput
+from inference_engine.outputs import EmbeddingRequestOutput, RequestOutput
+from inference_engine.pooling import PoolingParams
 from inference_engine.sampling_params import SamplingParams
 
 
@@ -55,13 +59,43 @@ class AsyncLLM:
     ) -> AsyncGenerator[RequestOutput, None]:
         """Streams the request's outputs. An invalid request raises here (the engine's error, e.g.
         InvalidRequestError); `abort(request_id)` ends the stream with a finish_reason "abort" output."""
-        loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        request = Request(request_id, prompt_of(prompt), sampling_params, priority)
+        async with aclosing(self._stream(request)) as stream:  # closed with this one: aborts at once
+            async for item in stream:
+                yield item
 
-        def sink(item: RequestOutput | BaseException) -> None:
+    async def encode(
+        self,
+        prompt: PromptType,
+        pooling_params: PoolingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+    ) -> AsyncGenerator[EmbeddingRequestOutput, None]:
+        """vLLM's pooling stream: one output, finished, its vector in `outputs.embedding` (an aborted
+        request's has none). The prompt shares the batch with the engine's generations."""
+        request = Request(request_id, prompt_of(prompt), pooling_params, priority)
+        async with aclosing(self._stream(request)) as stream:
+            async for item in stream:
+                yield item
+
+    async def embed(
+        self, prompt: PromptType, pooling_params: PoolingParams | None = None, request_id: str | None = None
+    ) -> EmbeddingRequestOutput:
+        """One prompt's embedding, as `LLM.embed` gives it; `request_id` defaults to a new one."""
+        params = pooling_params or PoolingParams()
+        async with aclosing(self.encode(prompt, params, request_id or f"embed-{uuid.uuid4().hex}")) as stream:
+            return [item async for item in stream][-1]
+
+    async def _stream(self, request: Request) -> AsyncGenerator:
+        """`request`'s outputs until its final one; it is aborted if the stream ends otherwise."""
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[RequestOutput | EmbeddingRequestOutput | BaseException] = asyncio.Queue()
+        request_id = request.request_id
+
+        def sink(item: RequestOutput | EmbeddingRequestOutput | BaseException) -> None:
             loop.call_soon_threadsafe(outputs.put_nowait, item)
 
-        request = Request(request_id, prompt_of(prompt), sampling_params, priority)
         try:
             await asyncio.wrap_future(self.engine_loop.add([request], sink))
             while True:

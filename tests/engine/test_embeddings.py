@@ -10,6 +10,7 @@ installed sentence-transformers' own `save` are tested in test_embeddings_senten
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from pathlib import Path
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from inference_engine import LLM, PoolerConfig, PoolingParams
+from inference_engine import LLM, AsyncLLM, PoolerConfig, PoolingParams
 from inference_engine.errors import InvalidRequestError
 from inference_engine.pooling import PoolingState, sentence_transformers_defaults
 
@@ -226,3 +227,28 @@ def test_pooling_state_over_chunks() -> None:
     last.add(hidden[4], 3)
     assert torch.allclose(torch.tensor(cls.embedding()), hidden[0] / hidden[0].norm(), atol=1e-6)
     assert torch.allclose(torch.tensor(last.embedding()), hidden[4, :4] / hidden[4, :4].norm(), atol=1e-6)
+
+
+@pytest.mark.asyncio
+async def test_async_llm_embed_and_encode(last_llm, hidden_states) -> None:
+    """`AsyncLLM.embed` from concurrent tasks, and vLLM's `encode` stream (one finished output); one abandoned
+    request aborted with its task, no block left taken."""
+    engine = AsyncLLM.from_llm(last_llm)
+    ids = [list(ids) for ids in hidden_states]
+    outs = await asyncio.gather(*(engine.embed({"prompt_token_ids": one}) for one in ids))
+    for out in outs:
+        assert out.finished
+        assert _cosine(out.outputs.embedding, hidden_states[tuple(out.prompt_token_ids)][-1]) >= 0.9999
+    stream = [out async for out in engine.encode(TEXTS[0], PoolingParams(), "encode-0")]
+    assert [(o.request_id, o.finished) for o in stream] == [("encode-0", True)]
+    assert stream[0].outputs.embedding == pytest.approx(outs[0].outputs.embedding, abs=1e-4)
+    with pytest.raises(InvalidRequestError, match="does not generate"):
+        async for _ in engine.generate(TEXTS[0], greedy(4), "generate-0"):
+            pass
+    abandoned = asyncio.ensure_future(engine.embed(ids[-1] * 2, request_id="abandoned"))
+    await asyncio.sleep(0)
+    abandoned.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await abandoned
+    await engine.reset_prefix_cache()  # a command on the loop thread: the abort ran before it
+    assert_all_blocks_free(last_llm)
