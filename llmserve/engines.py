@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from inference_engine.bus.protocol import ModelInfo
-from inference_engine.errors import EngineError
+from inference_engine.errors import EngineError, ModelNotFoundError
 from llmserve.models import LoRAAdapter, ModelConfig
 
 log = logging.getLogger("llmserve.engines")
@@ -67,32 +67,39 @@ def engine_target(name: str, served: list[ModelInfo]) -> tuple[str, str | None]:
 def sync_adapters(base: ModelConfig, names: Iterable[str], reload: bool = False) -> list[tuple[int, str]]:
     """Have the running engines of `base` serve the adapters `names` as the admin now says: each enabled
     adapter of `base` loaded (`reload`: loaded again, its files changed), any other unloaded (running requests
-    for it finish; new ones get model_not_found). Sent as the bus's run-time LoRA updates, which every replica
-    applies at once and replicas started later replay; engines started afterwards also get the enabled
+    for it finish; new ones get model_not_found). Sent as the bus's run-time LoRA updates, which every live
+    replica applies at once and replicas started later replay; loading a served adapter again is a no-op, and
+    an engine that does not serve a name has nothing to unload. Engines started afterwards get the enabled
     adapters as flags (`ModelConfig.engine_args`). Returns (message level, text) for the admin user."""
     from django.contrib import messages
 
     from llmserve import bus
 
-    info = live_models().get(base.name)
-    if info is None:
-        return [
-            (messages.INFO, f"{base.name} is not running: its engines load its adapters when they start.")
-        ]
     wanted = {adapter.name: adapter.path for adapter in base.enabled_adapters()}
-    served = set(info.adapters)
     client = bus.client()
     notes = []
     for name in sorted(set(names)):
         try:
-            if name in served and (name not in wanted or reload):
-                client.unload_lora_adapter(base.name, name)
-                if name not in wanted:
+            if name not in wanted or reload:
+                try:
+                    replicas = client.unload_lora_adapter(base.name, name)
+                except ModelNotFoundError:  # no engine serves it (or none is up)
+                    replicas = 0
+                if name not in wanted and replicas:
                     notes.append((messages.SUCCESS, f"{base.name}'s engines stopped serving {name}."))
-            if name in wanted and (name not in served or reload):
+            if name in wanted:
                 replicas = client.load_lora_adapter(base.name, name, wanted[name])
                 notes.append((messages.SUCCESS, f"{name} loaded by {replicas} engine(s) of {base.name}."))
+        except ModelNotFoundError:
+            notes.append(
+                (messages.INFO, f"{base.name} is not running: its engines load {name} when they start.")
+            )
         except EngineError as exc:
             log.warning("LoRA adapter %s on %s: %s", name, base.name, exc)
-            notes.append((messages.ERROR, f"{name} on {base.name}: {exc}"))
+            hint = (
+                " Unload and load the model to restart its engines with LoRA."
+                if "--enable-lora" in str(exc)
+                else ""
+            )
+            notes.append((messages.ERROR, f"{name} on {base.name}: {exc}{hint}"))
     return notes

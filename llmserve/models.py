@@ -163,7 +163,9 @@ class ModelConfig(models.Model):
 
     def engine_args(self) -> dict[str, Any]:
         """Engine options by EngineConfig name (the supervisor's load message and `serve` flags use these),
-        and `serve`'s ``lora_modules``: the enabled LoRA adapters, which the engine loads when it starts."""
+        and `serve`'s ``lora_modules``: the enabled LoRA adapters, which the engine loads when it starts. A
+        model with adapters starts with LoRA on even when none is enabled, so that enabling one needs no
+        restart."""
         args: dict[str, Any] = {
             "runner": self.runner,
             "dtype": self.dtype,
@@ -186,12 +188,11 @@ class ModelConfig(models.Model):
             args["speculative_config"] = self.speculative_config
         if self.num_scheduler_steps != 1:
             args["num_scheduler_steps"] = self.num_scheduler_steps
-        adapters = self.enabled_adapters()
-        if adapters:
+        if self.pk is not None and self.adapters.exists():  # disabled ones too: enabling one loads it live
             args["enable_lora"] = True
             args["max_loras"] = self.max_loras
             args["max_lora_rank"] = self.max_lora_rank
-            args["lora_modules"] = [adapter.module_spec() for adapter in adapters]
+            args["lora_modules"] = [adapter.module_spec() for adapter in self.enabled_adapters()]
         return args
 
     def clean(self) -> None:
