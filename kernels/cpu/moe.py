@@ -1,15 +1,23 @@
 """The fused mixture-of-experts MLP on the CPU (`csrc/moe.c`): the step's tokens grouped by expert, each
 chosen expert's gate/up and down run once over its group; fp32 or bf16 weights, or int8 ones with a scale per
-group of inputs (GGUF's Q8_0 experts, kept as they load)."""
+group of inputs (GGUF's Q8_0 experts, kept as they load).
+
+With bf16 activations an expert that has `GROUPED_TOKENS` tokens or more in a step (a prompt's) runs as two
+grouped matmuls through the dense bf16 kernel's routines (AMX tiles where the CPU has them, as this
+machine's plan for dense layers times them), its weights dequantized a tile at a time; fewer tokens (decode)
+multiply the weights as stored in fp32. The two round differently, so a token's output can depend on how
+many tokens share its experts in a step once one of them reaches `GROUPED_TOKENS`."""
 
 from __future__ import annotations
 
 import torch
 
 from llmserve_kernels.cpu._build import function, i32, ptr
+from llmserve_kernels.cpu.linear_pack import _amx_rows, _fma_rows
 
 _ACTIVATIONS = (torch.bfloat16, torch.float32)
 _WEIGHTS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+GROUPED_TOKENS = 16  # an expert's tokens in a step from which it runs grouped (bf16 activations)
 
 
 def fused_moe(
@@ -24,7 +32,7 @@ def fused_moe(
     defines it (x [T, H], w13 [E, 2I, H] gate rows then up rows, w2 [E, H, I]); None where it can't run
     (no native library, another device or dtype). int8 weights come with `scales`: fp32 [E, 2I, H / g] and
     [E, H, I / g'], weight = scale * q over each group of g (g') inputs; float weights in x's dtype."""
-    fn = function("moe_forward", i32, *[ptr] * 8, *[i32] * 10)
+    fn = function("moe_forward", i32, *[ptr] * 8, *[i32] * 13)
     quantized = w13.dtype == torch.int8
     tensors = (x, w13, w2, *(scales or ()))
     if (
@@ -74,6 +82,7 @@ def fused_moe(
         int(x.dtype == torch.bfloat16),
         _WEIGHTS[w13.dtype],
         *groups,
+        *((GROUPED_TOKENS, _fma_rows(), _amx_rows()) if x.dtype == torch.bfloat16 else (0, 0, 0)),
         torch.get_num_threads(),
     )
     if status != 0:
