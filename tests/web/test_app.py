@@ -260,6 +260,8 @@ def test_quantization_and_decode_steps_chosen_in_the_admin_reach_the_serve_comma
         "gpu_memory_utilization": "0.9",
         "enable_prefix_caching": "on",
         "num_scheduler_steps": "8",
+        "max_loras": "4",
+        "max_lora_rank": "16",
     }
     response = admin_client.post(reverse("admin:llmserve_modelconfig_add"), form)
     assert response.status_code == 302, response.content.decode()[:2000]
