@@ -72,6 +72,8 @@ def test_engine_of_an_admin_hub_model_resolves_it_offline(admin_client, tmp_path
         "gpu_memory_utilization": "0.9",
         "enable_prefix_caching": "on",
         "num_scheduler_steps": "1",
+        "max_loras": "4",
+        "max_lora_rank": "16",
     }
     reply = admin_client.post(reverse("admin:llmserve_modelconfig_add"), form)
     assert reply.status_code == 302, reply.content.decode()[-2000:]
