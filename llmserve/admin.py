@@ -8,6 +8,7 @@ from typing import Any
 from django import forms
 from django.contrib import admin, messages
 from django.core.validators import FileExtensionValidator
+from django.db import transaction
 from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
@@ -157,6 +158,7 @@ class LoRAAdapterAdmin(admin.ModelAdmin):
     form = LoRAAdapterForm
     list_display = ("name", "base_model", "enabled", "rank", "targets", "served", "updated_at")
     list_filter = ("enabled", "base_model")
+    list_select_related = ("base_model",)
     search_fields = ("name", "path")
     readonly_fields = ("rank", "targets", "uploaded", "created_at", "updated_at")
     actions = ("enable_adapters", "disable_adapters")
@@ -189,7 +191,7 @@ class LoRAAdapterAdmin(admin.ModelAdmin):
             obj.uploaded = False
         super().save_model(request, obj, form, change)
         if before is not None and before.uploaded and before.path != obj.path:
-            lora_files.remove_upload(before.path)
+            transaction.on_commit(lambda: lora_files.remove_upload(before.path))
         reload = before is not None and (before.path != obj.path or before.base_model_id != obj.base_model_id)
         if before is not None and (before.base_model_id != obj.base_model_id or before.name != obj.name):
             self._sync(request, before.base_model, {before.name})
@@ -200,10 +202,7 @@ class LoRAAdapterAdmin(admin.ModelAdmin):
 
     def delete_queryset(self, request: HttpRequest, queryset: QuerySet[LoRAAdapter]) -> None:
         gone = list(queryset.select_related("base_model"))
-        super().delete_queryset(request, queryset)
-        for adapter in gone:
-            if adapter.uploaded:
-                lora_files.remove_upload(adapter.path)
+        super().delete_queryset(request, queryset)  # post_delete removes uploaded folders
         self._sync_each(request, gone)
 
     @admin.action(description=_("Enable selected adapters"))

@@ -8,7 +8,9 @@ import secrets
 from typing import Any
 
 from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
-from django.db import models
+from django.db import models, transaction
+from django.db.models.signals import post_delete
+from django.dispatch import receiver
 from django.utils import timezone
 from django.utils.translation import gettext_lazy as _
 
@@ -390,6 +392,16 @@ class KeyUsage(APIKey):
         proxy = True
         verbose_name = _("bulk usage of an API key")
         verbose_name_plural = _("bulk usage per API key")
+
+
+@receiver(post_delete, sender=LoRAAdapter)
+def _remove_uploaded_files(instance: LoRAAdapter, **kwargs: Any) -> None:
+    """An uploaded adapter's extracted folder goes with it (deleted in the admin, or with its base model),
+    once the deletion is committed."""
+    if instance.uploaded:
+        from llmserve import lora_files
+
+        transaction.on_commit(lambda: lora_files.remove_upload(instance.path))
 
 
 # Bulk jobs and the Batch API keep their models in their own module; importing them here registers them.

@@ -69,7 +69,9 @@ def _post(admin_client, base: ModelConfig, **fields):
 
 
 @pytest.mark.django_db
-def test_admin_upload_of_a_zipped_peft_folder(admin_client, lora_dir, folders) -> None:
+def test_admin_upload_of_a_zipped_peft_folder(
+    admin_client, lora_dir, folders, django_capture_on_commit_callbacks
+) -> None:
     base = ModelConfig.objects.create(name="smol")
     archive = _zip(_peft_files(folders["mlp-o-r8"], under="my-adapter/"))  # zipped as a folder
     response = _post(admin_client, base, archive=archive)
@@ -88,8 +90,16 @@ def test_admin_upload_of_a_zipped_peft_folder(admin_client, lora_dir, folders) -
     page = admin_client.get(reverse("admin:llmserve_loraadapter_changelist")).content.decode()
     assert "customer-a" in page and "down_proj, gate_proj, o_proj, up_proj" in page
     # deleting the adapter deletes the folder its upload was extracted to
-    admin_client.post(reverse("admin:llmserve_loraadapter_delete", args=[adapter.pk]), {"post": "yes"})
+    with django_capture_on_commit_callbacks(execute=True):
+        admin_client.post(reverse("admin:llmserve_loraadapter_delete", args=[adapter.pk]), {"post": "yes"})
     assert not LoRAAdapter.objects.exists() and not Path(adapter.path).exists()
+    # so does the folder of an adapter deleted with its base model
+    _post(admin_client, base, archive=_zip(_peft_files(folders["qv-r4"])))
+    adapter = LoRAAdapter.objects.get(name="customer-a")
+    assert Path(adapter.path).is_dir()
+    with django_capture_on_commit_callbacks(execute=True):
+        base.delete()
+    assert not Path(adapter.path).exists()
 
 
 def _broken_zips(folder: Path) -> dict[str, tuple[io.BytesIO, str]]:
