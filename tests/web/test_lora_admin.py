@@ -12,6 +12,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from django.core.exceptions import ValidationError
 from django.test import override_settings
 from django.urls import reverse
 
@@ -163,6 +164,9 @@ def test_admin_adapter_by_path_and_rank_limit(admin_client, lora_dir, folders, t
     adapter = LoRAAdapter.objects.get()
     assert (adapter.path, adapter.uploaded, adapter.rank) == (str(folders["qv-r4"]), False, 4)
     assert adapter.target_modules == ["q_proj", "v_proj"]
+    base.max_lora_rank = 2  # below an enabled adapter's rank: refused on the model entry too
+    with pytest.raises(ValidationError, match="customer-a has rank 4"):
+        base.full_clean()
     # a name clash with a model would make `model` ambiguous
     response = _post(admin_client, base, name="smol", path=str(folders["qv-r4"]))
     assert "A model configuration already has this name" in response.content.decode()
