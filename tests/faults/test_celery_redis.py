@@ -34,6 +34,7 @@ WORKER = [
     "--concurrency",
     "2",
 ]
+NAP = 8  # seconds the task runs: it ends after Redis is back
 RECONNECTED_WITHIN = 20.0  # Celery's broker retries wait 2 s, then 4 s, ...
 
 
@@ -51,7 +52,7 @@ def test_the_celery_worker_survives_a_redis_restart(tmp_path: Path) -> None:
     redis = RedisServer().start()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LLMSERVE_", "DJANGO_", "CELERY_"))}
     env.update(
-        DJANGO_SETTINGS_MODULE="hostproject.settings",
+        DJANGO_SETTINGS_MODULE="tests.faults.settings_celery",  # the host project's, and a test task
         DJANGO_SECRET_KEY="test-only-secret",
         DATABASE_URL=f"sqlite:///{tmp_path / 'db.sqlite3'}",
         LLMSERVE_REDIS_URL=redis.url,
@@ -65,10 +66,10 @@ def test_the_celery_worker_survives_a_redis_restart(tmp_path: Path) -> None:
         )
     try:
         _wait_for(log, " ready.", 60, worker)
-        # A message the worker holds unacknowledged when Redis dies, as it holds a bulk job's task while
-        # the task runs (acks_late): a countdown's message is held until it is due.
-        held = app.send_task("celery.accumulate", args=(1,), countdown=600)
-        _wait_for(log, f"Task celery.accumulate[{held.id}] received", 10, worker)
+        # A task that runs (its message unacknowledged: acks_late) while Redis dies and comes back, as a bulk
+        # job's task does; it ends, and is acknowledged, after the worker reconnected.
+        running = app.send_task("tests.faults.celery_tasks.nap", args=(NAP,))
+        _wait_for(log, f"Task tests.faults.celery_tasks.nap[{running.id}] received", 10, worker)
         redis.process.kill()
         redis.process.wait()
         _wait_for(log, "Connection to broker lost", 10, worker)
@@ -80,8 +81,11 @@ def test_the_celery_worker_survives_a_redis_restart(tmp_path: Path) -> None:
             )
             assert time.monotonic() - killed < RECONNECTED_WITHIN, log.read_text()[-3000:]
         reconnected = time.monotonic() - killed
+        _wait_for(log, f"Task tests.faults.celery_tasks.nap[{running.id}] succeeded", NAP + 10, worker)
+        # Acknowledged (over the lost connection's channel): the worker still takes tasks.
         task = app.send_task("celery.accumulate", args=(42,))
         _wait_for(log, f"Task celery.accumulate[{task.id}] succeeded", 10, worker)
+        assert "Unrecoverable error" not in log.read_text(), log.read_text()[-3000:]
         print(f"\nthe worker answered again {reconnected:.1f}s after Redis was killed and restarted")
     finally:
         worker.terminate()
