@@ -3,44 +3,23 @@ bundled model's fp32 weights wrapped in a SentenceTransformer (MEAN pooling; LAS
 module), saved, served through LLM(runner="pooling"), and compared with SentenceTransformer.encode of the same
 folder. Such a folder holds the decoder's base model (`LlamaModel`, no head) and sentence-transformers'
 current Pooling config (`pooling_mode`); encoder-only checkpoints are refused by name.
-
-sentence-transformers feeds a model whose tokenizer has a chat template its texts through that template; an
-embedding model built on a chat model is given the plain-text modality, as our engine embeds the text itself.
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
+from benchmarks.embeddings import save_sentence_transformer
 from inference_engine import LLM, PoolerConfig
 
 from . import families
 from .conftest import assert_all_blocks_free
 from .test_embeddings import KV_BYTES, TEXTS
 
-st = pytest.importorskip("sentence_transformers")
-
-
-def _saved(hf_folder: Path, target: Path, mode: str, normalize: bool):
-    """A SentenceTransformer over `hf_folder` (`mode` pooling, then Normalize if asked), saved by `save` to
-    `target`."""
-    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
-
-    body = Transformer(
-        str(hf_folder),
-        model_kwargs={"dtype": torch.float32},
-        modality_config={"text": {"method": "forward", "method_output_name": "last_hidden_state"}},
-        module_output_name="token_embeddings",
-    )
-    body.tokenizer.pad_token = body.tokenizer.eos_token  # batches are padded (on the right)
-    modules = [body, Pooling(body.get_embedding_dimension(), pooling_mode=mode)]
-    model = st.SentenceTransformer(modules=[*modules, Normalize()] if normalize else modules, device="cpu")
-    model.save(str(target))
-    return model
+pytest.importorskip("sentence_transformers")
 
 
 def _cosines(ours: list[list[float]], theirs: torch.Tensor) -> list[float]:
@@ -67,7 +46,7 @@ def test_a_saved_sentence_transformers_folder_matches_its_encode(
     architecture, its head untied: a saved base model has none)."""
     source = request.getfixturevalue("hf_folder") if checkpoint == "bundled" else families.folder(checkpoint)
     folder = tmp_path / "saved"
-    model = _saved(source, folder, mode, normalize)
+    model = save_sentence_transformer(source, folder, mode, normalize)
     config = json.loads((folder / "config.json").read_text())
     assert config["architectures"] == [{"qwen3": "Qwen3Model"}.get(checkpoint, "LlamaModel")]  # no head
     expected = model.encode(TEXTS, batch_size=len(TEXTS), convert_to_tensor=True)
