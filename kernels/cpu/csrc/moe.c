@@ -209,12 +209,11 @@ int moe_forward(const void *x, const void *w13, const void *w2, const float *s13
                 int experts, int top_k, int bf16, int wtype, int group13, int group2, int grouped_tokens,
                 int fma_rows, int amx_rows, int num_threads) {
     long pairs = (long)tokens * top_k;
-    int rows_max = (inter > hidden ? inter : hidden) + MOE_ROWS;
+    long item_max = (long)experts * ((inter + hidden) / MOE_ROWS + 2); /* gate/up's items, then down's */
     size_t elem = moe_elem(wtype);
     int *start = calloc(experts + 1, sizeof(int)), *next = malloc(sizeof(int) * experts);
     int *order = malloc(sizeof(int) * pairs), *slot = malloc(sizeof(int) * pairs), *token = malloc(sizeof(int) * pairs);
-    int *item_expert = malloc(sizeof(int) * experts * (rows_max / MOE_ROWS));
-    int *item_row = malloc(sizeof(int) * experts * (rows_max / MOE_ROWS));
+    int *item_expert = malloc(sizeof(int) * item_max), *item_row = malloc(sizeof(int) * item_max);
     char *grouped = calloc(experts, 1);
     const float **xs = malloc(sizeof(float *) * pairs), **as = malloc(sizeof(float *) * pairs);
     float *xf = malloc(sizeof(float) * tokens * hidden), *act = malloc(sizeof(float) * pairs * inter);
@@ -236,12 +235,6 @@ int moe_forward(const void *x, const void *w13, const void *w2, const float *s13
         xs[s] = xf + (long)token[s] * hidden, as[s] = act + s * inter;
     }
 
-#pragma omp parallel for num_threads(num_threads)
-    for (int t = 0; t < tokens; t++)
-        for (int h = 0; h < hidden; h++)
-            xf[(long)t * hidden + h] = bf16 ? bf16_to_float(((const uint16_t *)x)[(long)t * hidden + h])
-                                            : ((const float *)x)[(long)t * hidden + h];
-
     for (int e = 0; e < experts && bf16 && grouped_tokens; e++) {
         int count = start[e + 1] - start[e];
         if (count < grouped_tokens) continue;
@@ -256,45 +249,56 @@ int moe_forward(const void *x, const void *w13, const void *w2, const float *s13
             goto done;
     }
 
-    int items = moe_items(start, grouped, experts, inter, item_expert, item_row);
-#pragma omp parallel for schedule(dynamic) num_threads(num_threads)
-    for (int it = 0; it < items; it++) {
-        int e = item_expert[it], r0 = item_row[it], r1 = r0 + MOE_ROWS < inter ? r0 + MOE_ROWS : inter;
-        int count = start[e + 1] - start[e];
-        size_t gate_row = (size_t)e * 2 * inter;
-        struct moe_rows gate_up = {(const char *)w13 + gate_row * hidden * elem,
-                                   s13 ? s13 + gate_row * (hidden / group13) : 0, wtype, group13, 2 * inter, hidden};
-        for (int p = 0; p < count; p += MOE_CHUNK) {
-            int chunk = count - p < MOE_CHUNK ? count - p : MOE_CHUNK;
-            float g[MOE_CHUNK * MOE_ROWS], u[MOE_CHUNK * MOE_ROWS];
-            moe_rows(&gate_up, r0, r1, xs + start[e] + p, chunk, g, MOE_ROWS);
-            moe_rows(&gate_up, inter + r0, inter + r1, xs + start[e] + p, chunk, u, MOE_ROWS);
-            for (int c = 0; c < chunk; c++)
-                for (int r = 0; r < r1 - r0; r++)
-                    act[(long)(start[e] + p + c) * inter + r0 + r] = moe_silu(g[c * MOE_ROWS + r]) * u[c * MOE_ROWS + r];
+    /* One team for the rest, a barrier between the steps: x in fp32, gate/up, down, the weighted sums. */
+    int items13 = moe_items(start, grouped, experts, inter, item_expert, item_row);
+    int items = items13 + moe_items(start, grouped, experts, hidden, item_expert + items13, item_row + items13);
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for
+        for (int t = 0; t < tokens; t++)
+            for (int h = 0; h < hidden; h++)
+                xf[(long)t * hidden + h] = bf16 ? bf16_to_float(((const uint16_t *)x)[(long)t * hidden + h])
+                                                : ((const float *)x)[(long)t * hidden + h];
+
+#pragma omp for schedule(dynamic)
+        for (int it = 0; it < items13; it++) {
+            int e = item_expert[it], r0 = item_row[it], r1 = r0 + MOE_ROWS < inter ? r0 + MOE_ROWS : inter;
+            int count = start[e + 1] - start[e];
+            size_t gate_row = (size_t)e * 2 * inter;
+            struct moe_rows gate_up = {(const char *)w13 + gate_row * hidden * elem,
+                                       s13 ? s13 + gate_row * (hidden / group13) : 0, wtype, group13, 2 * inter, hidden};
+            for (int p = 0; p < count; p += MOE_CHUNK) {
+                int chunk = count - p < MOE_CHUNK ? count - p : MOE_CHUNK;
+                float g[MOE_CHUNK * MOE_ROWS], u[MOE_CHUNK * MOE_ROWS];
+                moe_rows(&gate_up, r0, r1, xs + start[e] + p, chunk, g, MOE_ROWS);
+                moe_rows(&gate_up, inter + r0, inter + r1, xs + start[e] + p, chunk, u, MOE_ROWS);
+                for (int c = 0; c < chunk; c++)
+                    for (int r = 0; r < r1 - r0; r++)
+                        act[(long)(start[e] + p + c) * inter + r0 + r] =
+                            moe_silu(g[c * MOE_ROWS + r]) * u[c * MOE_ROWS + r];
+            }
         }
-    }
 
-    items = moe_items(start, grouped, experts, hidden, item_expert, item_row);
-#pragma omp parallel for schedule(dynamic) num_threads(num_threads)
-    for (int it = 0; it < items; it++) {
-        int e = item_expert[it], r0 = item_row[it], r1 = r0 + MOE_ROWS < hidden ? r0 + MOE_ROWS : hidden;
-        size_t down_row = (size_t)e * hidden;
-        struct moe_rows down = {(const char *)w2 + down_row * inter * elem, s2 ? s2 + down_row * (inter / group2) : 0,
-                                wtype, group2, hidden, inter};
-        moe_rows(&down, r0, r1, as + start[e], start[e + 1] - start[e], y + (long)start[e] * hidden + r0, hidden);
-    }
+#pragma omp for schedule(dynamic)
+        for (int it = items13; it < items; it++) {
+            int e = item_expert[it], r0 = item_row[it], r1 = r0 + MOE_ROWS < hidden ? r0 + MOE_ROWS : hidden;
+            size_t down_row = (size_t)e * hidden;
+            struct moe_rows down = {(const char *)w2 + down_row * inter * elem,
+                                    s2 ? s2 + down_row * (inter / group2) : 0, wtype, group2, hidden, inter};
+            moe_rows(&down, r0, r1, as + start[e], start[e + 1] - start[e], y + (long)start[e] * hidden + r0, hidden);
+        }
 
-#pragma omp parallel for num_threads(num_threads)
-    for (int t = 0; t < tokens; t++) {
-        for (int h = 0; h < hidden; h++) {
-            float sum = 0.f;
-            for (int j = 0; j < top_k; j++)
-                sum += weights[(long)t * top_k + j] * y[(long)slot[(long)t * top_k + j] * hidden + h];
-            if (bf16)
-                ((uint16_t *)out)[(long)t * hidden + h] = float_to_bf16(sum);
-            else
-                ((float *)out)[(long)t * hidden + h] = sum;
+#pragma omp for
+        for (int t = 0; t < tokens; t++) {
+            for (int h = 0; h < hidden; h++) {
+                float sum = 0.f;
+                for (int j = 0; j < top_k; j++)
+                    sum += weights[(long)t * top_k + j] * y[(long)slot[(long)t * top_k + j] * hidden + h];
+                if (bf16)
+                    ((uint16_t *)out)[(long)t * hidden + h] = float_to_bf16(sum);
+                else
+                    ((float *)out)[(long)t * hidden + h] = sum;
+            }
         }
     }
     status = 0;
