@@ -26,7 +26,7 @@ class ModelConfigAdmin(admin.ModelAdmin):
     list_display = ("name", "source", "enabled", "engine_status", "requests", "kv_usage", "throughput")
     list_filter = ("enabled", "source")
     search_fields = ("name", "path")
-    actions = ("load_models", "unload_models")
+    actions = ("load_models", "unload_models", "restart_models")
     fieldsets = (
         (None, {"fields": ("name", "enabled", "source", "path", "revision")}),
         (
@@ -102,6 +102,20 @@ class ModelConfigAdmin(admin.ModelAdmin):
             lambda c, m: c.unload_model(m.name, supervisor=conf.get("SUPERVISOR")),
             _("unload"),
         )
+
+    @admin.action(description=_("Restart selected models' engines with their current settings"))
+    def restart_models(self, request: HttpRequest, queryset: QuerySet[ModelConfig]) -> None:
+        """Unload, then load: the supervisor handles its messages in order, so the engines drain and start
+        again with the entry's engine arguments (e.g. LoRA on, for an engine started without adapters)."""
+
+        def restart(client: Any, model: ModelConfig) -> None:
+            supervisor = conf.get("SUPERVISOR")
+            client.unload_model(model.name, supervisor=supervisor)
+            client.load_model(
+                model.name, model.model_path, engine_args=model.engine_args(), supervisor=supervisor
+            )
+
+        self._control(request, queryset, restart, _("restart"))
 
     def _control(self, request: HttpRequest, queryset: QuerySet[ModelConfig], send: Any, verb: str) -> None:
         client = bus.client()

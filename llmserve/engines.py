@@ -97,7 +97,7 @@ def sync_adapters(base: ModelConfig, names: Iterable[str], reload: bool = False)
         except EngineError as exc:
             log.warning("LoRA adapter %s on %s: %s", name, base.name, exc)
             hint = (
-                " Unload and load the model to restart its engines with LoRA."
+                " Restart the model's engines (its admin action) to serve adapters."
                 if "--enable-lora" in str(exc)
                 else ""
             )

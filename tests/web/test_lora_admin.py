@@ -12,13 +12,14 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import redis as redis_client
 from django.core.exceptions import ValidationError
 from django.test import override_settings
 from django.urls import reverse
 
 from inference_engine.__main__ import build_parser
-from inference_engine.bus.protocol import ModelInfo, ReplicaInfo
-from inference_engine.bus.redis_server import free_port
+from inference_engine.bus import protocol as P
+from inference_engine.bus.redis_server import RedisServer, free_port
 from inference_engine.bus.supervisor import serve_command as supervisor_command
 from inference_engine.config import engine_flags
 from llmserve import lora_files
@@ -208,7 +209,7 @@ def test_enabled_adapters_reach_the_engine_command_lines(folders) -> None:
 def test_engine_target_resolves_adapters(folders) -> None:
     base = ModelConfig.objects.create(name="smol")
     LoRAAdapter.objects.create(name="registered", base_model=base, path=str(folders["qv-r4"]))
-    served = [ModelInfo("smol", [ReplicaInfo("r1", "smol", {"lora_modules": ["flagged"]})])]
+    served = [P.ModelInfo("smol", [P.ReplicaInfo("r1", "smol", {"lora_modules": ["flagged"]})])]
     assert engine_target("smol", served) == ("smol", None)
     assert engine_target("flagged", served) == ("smol", "flagged")  # served by --lora-modules only
     assert engine_target("registered", []) == ("smol", "registered")  # its engines are down
@@ -285,3 +286,27 @@ def test_a_limited_key_cannot_batch_other_models() -> None:
     line["body"]["model"] = "customer-a"
     upload.content = json.dumps(line).encode()
     assert create_batch(upload, "/v1/completions", owner=key).job.model == "customer-a"
+
+
+@pytest.mark.django_db
+def test_restart_action_sends_the_supervisor_the_entry_with_its_adapters(admin_client, folders) -> None:
+    """An engine started without LoRA (e.g. by scripts/run) serves adapters once restarted from the admin:
+    unload, then load with the entry's engine arguments, list-valued lora_modules included."""
+    base = ModelConfig.objects.create(name="smol")
+    LoRAAdapter.objects.create(name="a", base_model=base, path=str(folders["qv-r4"]))
+    redis = RedisServer().start()
+    try:
+        keys = P.Keys("llmserve")
+        client = redis_client.Redis.from_url(redis.url, decode_responses=True)
+        client.set(keys.supervisor("default"), "{}")  # a live supervisor, as far as the admin can tell
+        with override_settings(LLMSERVE={"REDIS_URL": redis.url}):
+            admin_client.post(
+                reverse("admin:llmserve_modelconfig_changelist"),
+                {"action": "restart_models", "_selected_action": [base.pk]},
+            )
+        sent = [P.parse(fields) for _, fields in client.xrange(keys.control("default"))]
+    finally:
+        redis.stop()
+    assert [type(m) for m in sent] == [P.Unload, P.Load]
+    assert sent[1].engine_args["lora_modules"] == [f"a={folders['qv-r4']}"]
+    assert sent[1].engine_args["enable_lora"] is True
