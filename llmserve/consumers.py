@@ -50,7 +50,7 @@ from inference_engine.bus.protocol import RequestDelta
 from inference_engine.errors import EngineError
 from llmserve import bus, conf
 from llmserve.api import errors, generation, schema
-from llmserve.api.models import served_models
+from llmserve.api.models import model_objects
 from llmserve.api.validation import validated
 from llmserve.auth import (
     AuthenticationFailed,
@@ -355,15 +355,18 @@ class ChatConsumer(AsyncJsonWebsocketConsumer):
         """The served models and their LoRA adapters (``parent``: the adapter's base model) that the caller
         may use."""
         try:
-            served = await served_models()
+            served = await model_objects()
         except EngineError as exc:
             raise ChatError.from_api(errors.from_engine_error(exc)) from None
-        models = [
-            {"id": name, "max_model_len": info.max_model_len, **({"parent": parent} if parent else {})}
-            for base, info in served.items()
-            for name, parent in ((base, None), *((adapter, base) for adapter in info.adapters))
+        return [
+            {
+                "id": m["id"],
+                "max_model_len": m["max_model_len"],
+                **({"parent": m["parent"]} if m["parent"] else {}),
+            }
+            for m in served
+            if self.principal is None or self.principal.may_use(m["id"])
         ]
-        return [m for m in models if self.principal is None or self.principal.may_use(m["id"])]
 
     async def _models_or_empty(self) -> list[dict[str, Any]]:
         try:

@@ -26,6 +26,7 @@ from llmserve import bus, lookups, metrics
 from llmserve.api import errors
 from llmserve.api.responses import Echo, ResponseBuilder, bus_ids
 from llmserve.api.schema import GenerationRequest
+from llmserve.models import LoRAAdapter
 
 log = logging.getLogger("llmserve.api")
 
@@ -104,12 +105,20 @@ async def submit(request: GenerationRequest) -> Submitted:
 
 
 async def _adapter_base(name: str) -> str | None:
-    """The served model, not disabled, one of whose engines serves the adapter `name`, if any."""
+    """The served model, not disabled, one of whose engines serves the adapter `name`, if any; None too for
+    an adapter disabled in the admin, which an engine may still serve."""
     for info in await bus.async_client().list_models():
         if name in info.adapters:
             config = await lookups.model_config(info.name)
-            return info.name if config is None or config.enabled else None
+            if (config is not None and not config.enabled) or await _adapter_disabled(name):
+                return None
+            return info.name
     return None
+
+
+@lookups.released
+def _adapter_disabled(name: str) -> bool:
+    return LoRAAdapter.objects.filter(name=name, enabled=False).exists()
 
 
 async def _merged(streams: list[AsyncGenerationStream]) -> AsyncIterator[tuple[int, RequestDelta]]:

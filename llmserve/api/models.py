@@ -11,7 +11,7 @@ from llmserve import bus
 from llmserve.api import errors
 from llmserve.api.decorators import api_view
 from llmserve.auth import Principal
-from llmserve.models import ModelConfig
+from llmserve.models import LoRAAdapter, ModelConfig
 
 
 def _model_object(info: ModelInfo) -> dict[str, Any]:
@@ -43,21 +43,38 @@ async def served_models() -> dict[str, ModelInfo]:
     return {name: info for name, info in live.items() if name not in disabled}
 
 
+async def model_objects() -> list[dict[str, Any]]:
+    """Each served model in OpenAI's shape, followed by its LoRA adapters, less the adapters disabled in the
+    admin (an engine may still serve one: it is refused all the same)."""
+    served = await served_models()
+    adapters = [a["id"] for m in served.values() for a in _adapter_objects(m)]
+    disabled = set()
+    if adapters:
+        disabled = {
+            name
+            async for name in LoRAAdapter.objects.filter(name__in=adapters, enabled=False).values_list(
+                "name", flat=True
+            )
+        }
+    return [
+        obj
+        for m in served.values()
+        for obj in (_model_object(m), *_adapter_objects(m))
+        if obj["id"] not in disabled
+    ]
+
+
 @api_view(("GET",))
 async def model_list(request: HttpRequest, principal: Principal) -> HttpResponse:
-    served = await served_models()
-    data = [obj for m in served.values() for obj in (_model_object(m), *_adapter_objects(m))]
-    return JsonResponse({"object": "list", "data": [m for m in data if principal.may_use(m["id"])]})
+    data = [m for m in await model_objects() if principal.may_use(m["id"])]
+    return JsonResponse({"object": "list", "data": data})
 
 
 @api_view(("GET",))
 async def model_detail(request: HttpRequest, principal: Principal, model_id: str) -> HttpResponse:
     principal.check_model(model_id)
-    served = await served_models()
-    if model_id in served:
-        return JsonResponse(_model_object(served[model_id]))
-    for adapter in (a for m in served.values() for a in _adapter_objects(m)):
-        if adapter["id"] == model_id:
-            return JsonResponse(adapter)
+    found = next((m for m in await model_objects() if m["id"] == model_id), None)
+    if found is not None:
+        return JsonResponse(found)
     configured = await ModelConfig.objects.filter(name=model_id, enabled=True).aexists()
     raise errors.model_not_served(model_id, configured)

@@ -246,3 +246,29 @@ def test_admin_changes_reach_the_running_engine(lora_stack, bus, admin_client, f
         )
     listed = {m.id for m in client.models.list().data}
     assert listed == {BASE, "customer-a", "customer-b"}
+
+
+def test_an_adapter_disabled_in_the_admin_is_refused_while_an_engine_serves_it(lora_stack) -> None:
+    """As a disabled model entry is: the engine still serves customer-b (e.g. a supervisor restarted it with
+    its old flags), the API neither lists nor runs it."""
+    client = _openai(lora_stack, lora_stack.api_key)
+
+    def entries(code: str) -> None:
+        lora_stack.manage(
+            "shell", "--no-imports", "-c", f"from llmserve.models import LoRAAdapter, ModelConfig; {code}"
+        )
+
+    entries(
+        f"b = ModelConfig.objects.create(name={BASE!r}); "
+        "LoRAAdapter.objects.create(name='customer-b', base_model=b, path='/x', enabled=False)"
+    )
+    try:
+        assert {m.id for m in client.models.list().data} == {BASE, "customer-a"}
+        with pytest.raises(openai.NotFoundError):
+            client.models.retrieve("customer-b")
+        with pytest.raises(openai.NotFoundError):
+            _complete(client, "customer-b")
+        assert _complete(client, "customer-a").usage.completion_tokens == 6
+    finally:
+        entries(f"ModelConfig.objects.filter(name={BASE!r}).delete()")
+    assert _complete(client, "customer-b").usage.completion_tokens == 6
