@@ -3,8 +3,9 @@
 Each weight is packed into the routines of `linear_pack` (native bf16 or quantized kernel, oneDNN's
 prepacked linear, dequantize and matmul). Which routine serves which number of rows is measured once per
 weight shape when the weight is packed (`linear_tuning`, remembered across starts by `plan_cache`) and fixed
-then: `linear` only compares the row count with a number. The same packed layout serves embedding lookups of
-a tied weight, so no second plain copy is kept.
+then: `linear` only compares the row count with a number. With batch invariance (the default, see
+`linear_pack.batch_invariant`) there is no such choice: the native kernel serves every row count. The same
+packed layout serves embedding lookups of a tied weight, so no second plain copy is kept.
 
 With LLMSERVE_CPU_KERNELS=0 or without a compiler, dense bf16 weights run through oneDNN's prepacked
 linear and quantized weights are dequantized on every call.
@@ -31,6 +32,7 @@ from llmserve_kernels.cpu.linear_pack import (
     _OneDNN,
     _Plain,
     _QuantTiles,
+    batch_invariant,
     native_amx,
     native_bf16,
     native_quant,
@@ -104,14 +106,14 @@ def embedding(ids: torch.Tensor, packed: PackedLinear, dtype: torch.dtype) -> to
 def _dense_plan(n: int, k: int) -> Plan:
     """Native bf16 kernel or oneDNN, timed once per machine, weight shape and thread count (see
     `linear_tuning.timed_plan`) on a random weight."""
-    return _dense_plan_on(n, k, torch.get_num_threads())
+    return _dense_plan_on(n, k, torch.get_num_threads(), batch_invariant())
 
 
 @cache
-def _dense_plan_on(n: int, k: int, threads: int) -> Plan:
+def _dense_plan_on(n: int, k: int, threads: int, invariant: bool) -> Plan:
     if not available():
         return Plan(0, keep_other=True)
-    if not prepacking_works(BF16):
+    if not prepacking_works(BF16) or (invariant and native_bf16()):
         return Plan(ALL, keep_other=False)
 
     floor = _forced_rows(native_bf16(), dense=True)
@@ -280,6 +282,8 @@ def _pack_quantized(weight: QuantizedWeight, dtype: torch.dtype) -> PackedLinear
         tiles = _QuantTiles(weight, portable=not native_quant())
     except ValueError:
         return PackedLinear(n, k, fallback, fallback, ALL, fallback.rows, fallback.resident)
+    if batch_invariant() and native_quant():  # with AMX-INT8, many rows at a time through its tiles
+        return PackedLinear(n, k, tiles, tiles, ALL, tiles.rows, tiles.resident)
     plan = _quant_plan(
         type(weight), n, k, weight.group_size, weight.perm is not None, dtype, torch.get_num_threads()
     )

@@ -12,6 +12,7 @@ a layer is the layer's choice (linear.py).
 from __future__ import annotations
 
 import ctypes
+import os
 from collections.abc import Callable
 from dataclasses import replace
 from functools import cache
@@ -34,8 +35,17 @@ _QTILE = 16  # output rows per tile of the quantized kernel (QTILE in linear_qua
 _XBLOCK = 32  # columns of x per int8 scale (XBLOCK in linear_quant.c)
 
 # Steps of up to this many rows give each row the bits it gets alone (see _amx_rows): the native kernels serve
-# them even where oneDNN measures faster, and take AMX only beyond.
+# them even where oneDNN measures faster, and take AMX only beyond; with `batch_invariant()`, every step.
 SAME_BITS_ROWS = 20
+
+
+def batch_invariant() -> bool:
+    """Whether every row of a linear layer gets the bits it gets alone, whatever rows share its step (the
+    default; LLMSERVE_BATCH_INVARIANT=0 turns it off): the native kernels then serve every row count, each
+    through one routine (AMX from the first row where the CPU has it), and never hand a step to oneDNN or to
+    a dequantized copy, whose sums round otherwise. A greedy request then gives the same tokens alone, in any
+    batch, and with its prefix from the prefix cache."""
+    return os.environ.get("LLMSERVE_BATCH_INVARIANT", "1") != "0"
 
 
 @cache
@@ -174,7 +184,6 @@ def native_amx() -> bool:
     return fn is not None and bool(fn())
 
 
-@cache
 def _amx_rows() -> int:
     """From how many rows the bf16 kernel multiplies through AMX tiles (0: it cannot here): 1 or
     `SAME_BITS_ROWS` + 1.
@@ -189,9 +198,16 @@ def _amx_rows() -> int:
     ahead depending on the CPU. AMX takes every step where a step of one row and one of four (a lone
     decode, then a short prompt, a small batch or a verification) cost it no more together than they cost
     vdpbf16ps, timed once per machine: a small loss at one row is repaid, a large one is not. Judged at one
-    row alone, the choice would flip with the timing noise where the two tie."""
+    row alone, the choice would flip with the timing noise where the two tie. With `batch_invariant()`, AMX
+    takes every step: no routine changes with the row count."""
     if not native_amx():
         return 0
+    return 1 if batch_invariant() else _timed_amx_rows()
+
+
+@cache
+def _timed_amx_rows() -> int:
+    """`_amx_rows` as timed on this machine."""
 
     def time_it() -> Plan:
         # 28 MB, more than a core's L2, as decoding streams its weights.

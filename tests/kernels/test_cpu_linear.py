@@ -195,11 +195,31 @@ def test_dense_bf16_rows_get_their_own_bits_in_steps_of_up_to_20(gen):
 
 
 @pytest.fixture
-def fresh_amx_rows():
-    """`_amx_rows`, worked out again in the test and forgotten after it (the process keeps its answer)."""
-    cpu_linear._amx_rows.cache_clear()
+def fresh_amx_rows(monkeypatch):
+    """`_amx_rows` as timed without batch invariance, worked out again in the test and forgotten after it (the
+    process keeps its answer)."""
+    monkeypatch.setenv("LLMSERVE_BATCH_INVARIANT", "0")
+    linear_pack._timed_amx_rows.cache_clear()
     yield cpu_linear._amx_rows
-    cpu_linear._amx_rows.cache_clear()
+    linear_pack._timed_amx_rows.cache_clear()
+
+
+@needs_native
+@needs_amx
+def test_amx_takes_every_step_with_batch_invariance(monkeypatch):
+    monkeypatch.setattr(linear_pack, "remembered", lambda key, time_it: plan_cache.Plan(20, True))
+    assert cpu_linear._amx_rows() == 1
+
+
+@needs_native
+@needs_bf16
+@needs_vnni
+@pytest.mark.parametrize("shape", [*MODEL_SHAPES, LM_HEAD], ids=str)
+def test_with_batch_invariance_the_native_kernels_serve_every_row_count(gen, shape):
+    """Whatever oneDNN or a dequantized copy would time at: their sums round otherwise."""
+    for weight in (rand(gen, *shape), int4_weight(*shape, 32, gen)):
+        packed = cpu_linear.pack(weight, BF16)
+        assert packed.small_rows == linear_tuning.ALL and packed.small is packed.large
 
 
 @needs_native
@@ -245,8 +265,9 @@ def test_the_native_kernels_serve_steps_of_up_to_20_rows(gen, shape):
 @needs_bf16
 def test_dense_weights_serve_every_step_the_native_decoder_takes(monkeypatch, gen):
     """Steps of up to `FORCED_DENSE_ROWS` rows, even where oneDNN times faster right above the rows the kernel
-    serves whatever the timing: a layer that left such a step to oneDNN would send it through the
-    layer-by-layer path instead of the native decoder."""
+    serves whatever the timing (batch invariance off): a layer that left such a step to oneDNN would send it
+    through the layer-by-layer path instead of the native decoder."""
+    monkeypatch.setenv("LLMSERVE_BATCH_INVARIANT", "0")
 
     def onednn_faster_above_floor(*args, floor: int = 0, **kwargs) -> plan_cache.Plan:
         return plan_cache.Plan(floor, keep_other=True)
@@ -347,6 +368,26 @@ def test_quantized_native_matches_the_dequantized_matmul(gen, fmt, shape, rows):
     if rows in (1, 5, 33):
         x = rand(gen, rows, shape[1], dtype=FP32)
         assert_matches(routine(x, None), x, dense)
+
+
+@needs_native
+@needs_vnni
+@pytest.mark.parametrize("fmt", QUANT_FORMATS)
+@pytest.mark.parametrize("dtype", [BF16, FP32], ids=["bf16", "fp32"])
+def test_quantized_rows_get_their_own_bits_at_every_row_count(gen, fmt, dtype):
+    """Batch invariance: a row's output is the one it gets alone, in steps below and above the row count
+    from which AMX-INT8 tiles take them (16 rows at a time, the last 16 partly padding), with a bias and
+    two threads."""
+    torch.set_num_threads(2)
+    make, shapes = QUANT_FORMATS[fmt]
+    n, k = shapes[-1]
+    weight, bias = make(n, k, gen), rand(gen, n, dtype=dtype)
+    routine = cpu_linear._QuantTiles(weight)
+    x = spread(gen, 70, k).to(dtype)
+    alone = torch.cat([routine(x[r : r + 1], bias) for r in range(len(x))])
+    for rows in (5, 15, 16, 17, 40, 70):
+        assert torch.equal(routine(x[:rows], bias), alone[:rows]), rows
+    assert_matches(alone, x, weight.dequantize(), bias)
 
 
 @needs_native

@@ -12,6 +12,9 @@
  * instructions, an error 256 times smaller. Each sub-block (32 columns, or 16 where the group is 16)
  * gives one int32 dot product per output, which x's block scale turns into the group's fp32 sum, which
  * the group's weight scale multiplies. The int4 offsets multiply the group's exact (fp32) sum of x.
+ * With AMX-INT8, steps of many rows take each sub-block's integer dot products 16 rows by 16 outputs at a time
+ * from tile registers (qtile_amx); being integers they are the same whatever their order, and the floating-point
+ * steps after them are the same too, so a row gets the same bits in a step of any size (batch invariance).
  *
  * Packed layout (built once by kernels/cpu/linear.py): tiles of 16 output rows; per tile, per group, its
  * sub-blocks' weights, then the group's 16 scales, then (int4, not symmetric) its 16 offsets, fp16 where all are exact
@@ -333,6 +336,96 @@ static inline __m256 load_values8(const uint8_t *p, const int HALF) {
 }
 #endif
 
+#if defined(HAVE_AVX512_VNNI) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define HAVE_QUANT_AMX 1
+#include "amx.h"
+
+/* Steps of at least this many rows take AMX-INT8 tiles (qtile_amx); fewer, qtile_avx512. Both give every row
+ * the same bits, so this is a matter of speed alone. */
+#define QUANT_AMX_ROWS 16
+#define QUANT_AMX_CHUNK 64 /* rows of x that meet each of a thread's tiles in turn, while they stay in L2 */
+
+/* tmm0, tmm1: 16 rows of x's hi and lo bytes, one sub-block's columns; tmm2: the sub-block's weights, a row per
+ * 4 columns (the packed unit layout is AMX's: byte 4j + i of a row is output j's i-th column); tmm3, tmm4: the
+ * hi and lo dot products, 16 rows by 16 outputs. */
+static void configure_quant_tiles(int sub) {
+    struct tile_config config = {.palette = 1};
+    config.rows[0] = config.rows[1] = config.rows[3] = config.rows[4] = 16;
+    config.bytes_per_row[0] = config.bytes_per_row[1] = sub;
+    config.rows[2] = sub / 4;
+    config.bytes_per_row[2] = config.bytes_per_row[3] = config.bytes_per_row[4] = 64;
+    _tile_loadconfig(&config);
+}
+
+/* qtile_avx512 for 16 rows of x at once (m0 onwards; rows past `rows` are zero in x), with each sub-block's
+ * integer dot products from TDPBSUD (x signed, weights unsigned) rather than vpdpbusd: integer sums are exact
+ * whatever their order, and every floating-point step after them is qtile_avx512's, in its order, so each row
+ * gets the bits it gets there. */
+static void qtile_amx(const struct qweight *w, const uint8_t *tile, const struct qx *x, int m0, int rows,
+                      const void *bias, int is_bf16, void *out, int valid) {
+    const int SUB = w->sub, UNITS = SUB * w->bits / 32, VALUES = group_value_bytes(w);
+    const int groups = w->k / w->group, subs = w->group / SUB, xblocks = w->k / XBLOCK;
+    const __m512i low = _mm512_set1_epi8(15);
+    int32_t hi[16 * 16] __attribute__((aligned(64))), lo[16 * 16] __attribute__((aligned(64)));
+    uint8_t unpacked[8 * 64] __attribute__((aligned(64)));
+    __m512 y[16], gacc[16];
+    for (int m = 0; m < rows; m++) y[m] = _mm512_setzero_ps();
+    const uint8_t *p = tile;
+    for (int g = 0, c = 0; g < groups; g++) {
+        for (int m = 0; m < rows; m++) gacc[m] = _mm512_set1_ps(x->gcorr[(long)(m0 + m) * groups + g]);
+        for (int s = 0; s < subs; s++, c += SUB, p += 64 * UNITS) {
+            const uint8_t *weights = p;
+            if (w->bits == 4) { /* unit u: columns 8u..8u+3 (low nibbles), then 8u+4..8u+7 (high) */
+                for (int u = 0; u < UNITS; u++) {
+                    __m512i v = _mm512_loadu_si512(p + 64 * u);
+                    _mm512_store_si512(unpacked + 128 * u, _mm512_and_si512(v, low));
+                    _mm512_store_si512(unpacked + 128 * u + 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+                }
+                weights = unpacked;
+            }
+            _tile_loadd(2, weights, 64);
+            _tile_loadd(0, x->hi + (long)m0 * w->k + c, w->k);
+            _tile_loadd(1, x->lo + (long)m0 * w->k + c, w->k);
+            _tile_zero(3);
+            _tile_zero(4);
+            _tile_dpbsud(3, 0, 2);
+            _tile_dpbsud(4, 1, 2);
+            _tile_stored(3, hi, 64);
+            _tile_stored(4, lo, 64);
+            for (int m = 0; m < rows; m++) {
+                __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(hi + 16 * m), 8),
+                                               _mm512_load_si512(lo + 16 * m));
+                __m512 scale = _mm512_set1_ps(x->scale[(long)(m0 + m) * xblocks + c / XBLOCK]);
+                gacc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, gacc[m]);
+            }
+        }
+        __m512 d = load_values16(p, w->half);
+        p += VALUES;
+        for (int m = 0; m < rows; m++) y[m] = _mm512_fmadd_ps(d, gacc[m], y[m]);
+        if (w->bits == 4) {
+            __m512 off = w->symmetric ? _mm512_mul_ps(d, _mm512_set1_ps(-8.f)) : load_values16(p, w->half);
+            p += w->symmetric ? 0 : VALUES;
+            for (int m = 0; m < rows; m++)
+                y[m] = _mm512_fmadd_ps(off, _mm512_set1_ps(x->gsum[(long)(m0 + m) * groups + g]), y[m]);
+        }
+    }
+    __mmask16 mask = first_lanes(valid);
+    __m512 b = _mm512_setzero_ps();
+    if (bias && is_bf16)
+        b = load_bf16_ps(mask, bias);
+    else if (bias)
+        b = _mm512_maskz_loadu_ps(mask, bias);
+    for (int m = 0; m < rows; m++) {
+        __m512 r = _mm512_add_ps(y[m], b);
+        long at = (long)(m0 + m) * w->n;
+        if (is_bf16)
+            _mm256_mask_storeu_epi16((uint16_t *)out + at, mask, bf16_from_512(r));
+        else
+            _mm512_mask_storeu_ps((float *)out + at, mask, r);
+    }
+}
+#endif
+
 #if !defined(HAVE_AVX512_VNNI) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define HAVE_AVX2_QUANT 1
 #define MAX_QMR_AVX2 2 /* rows a pass: each takes 4-6 of the 16 ymm registers */
@@ -474,15 +567,24 @@ int linear_quant(const struct qweight *w, const void *x, long ldx, int m, int is
     if (m == 0) return 0;
     int groups = w->k / w->group, tiles = (w->n + QTILE - 1) / QTILE, chunks = (m + MAX_QMR - 1) / MAX_QMR;
     int mr = (m + chunks - 1) / chunks; /* rows per chunk, as even as MAX_QMR allows */
-    long q_bytes = 2L * m * w->k, f_count = (long)m * (w->k / XBLOCK + 2 * groups);
+    int amx = 0;
+#ifdef HAVE_QUANT_AMX
+    amx = !w->portable && m >= QUANT_AMX_ROWS && amx_permitted();
+#endif
+    int padded = amx ? (m + 15) / 16 * 16 : m; /* AMX loads x's hi and lo bytes 16 rows at a time */
+    long q_bytes = 2L * padded * w->k, f_count = (long)m * (w->k / XBLOCK + 2 * groups);
     size_t scratch_bytes = q_bytes + sizeof(float) * f_count + 64;
     int on_heap = scratch_bytes > STACK_SCRATCH;
     char stack[on_heap ? 1 : scratch_bytes];
     char *scratch = on_heap ? malloc(scratch_bytes) : stack;
     if (!scratch) return -1;
     float *f = (float *)(((uintptr_t)scratch + q_bytes + 63) & ~(uintptr_t)63);
-    struct qx qx = {(int8_t *)scratch, (int8_t *)scratch + (long)m * w->k, f, f + (long)m * (w->k / XBLOCK),
+    struct qx qx = {(int8_t *)scratch, (int8_t *)scratch + (long)padded * w->k, f, f + (long)m * (w->k / XBLOCK),
                     f + (long)m * (w->k / XBLOCK + groups)};
+    if (padded > m) {
+        memset(qx.hi + (long)m * w->k, 0, (size_t)(padded - m) * w->k);
+        memset(qx.lo + (long)m * w->k, 0, (size_t)(padded - m) * w->k);
+    }
     int size = is_bf16 ? 2 : 4;
     long tile_bytes = groups * group_bytes(w);
     if (num_threads > tiles) num_threads = tiles;
@@ -498,7 +600,22 @@ int linear_quant(const struct qweight *w, const void *x, long ldx, int m, int is
             for (int r = m * t / threads; r < m * (t + 1) / threads; r++) quantize(w, x, ldx * size, is_bf16, &qx, r);
 #pragma omp barrier
         }
-        for (int tile = tiles * t / threads; tile < tiles * (t + 1) / threads; tile++) {
+        int first = tiles * t / threads, last = tiles * (t + 1) / threads;
+#ifdef HAVE_QUANT_AMX
+        if (amx) {
+            configure_quant_tiles(w->sub);
+            for (int r0 = 0; r0 < m; r0 += QUANT_AMX_CHUNK)
+                for (int tile = first; tile < last; tile++) {
+                    const void *b = bias ? (const char *)bias + (long)tile * QTILE * size : 0;
+                    int valid = w->n - tile * QTILE < QTILE ? w->n - tile * QTILE : QTILE;
+                    for (int r = r0; r < m && r < r0 + QUANT_AMX_CHUNK; r += 16)
+                        qtile_amx(w, w->packed + tile * tile_bytes, &qx, r, m - r < 16 ? m - r : 16, b, is_bf16,
+                                  (char *)out + (long)tile * QTILE * size, valid);
+                }
+            _tile_release(); /* a thread holding tile state costs every context switch 8 KB more */
+        }
+#endif
+        for (int tile = first; !amx && tile < last; tile++) {
             const uint8_t *tp = w->packed + tile * tile_bytes;
             const void *b = bias ? (const char *)bias + (long)tile * QTILE * size : 0;
             void *o = (char *)out + (long)tile * QTILE * size;
