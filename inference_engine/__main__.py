@@ -33,6 +33,7 @@ ENGINE_FLAGS: list[tuple[str, type]] = [
     ("--dtype", str),
     ("--max-num-batched-tokens", int),
     ("--swap-space", float),
+    ("--kv-offload-gib", float),
     ("--device", str),
     ("--kv-cache-memory-bytes", int),
     ("--seed", int),

@@ -6,13 +6,15 @@ sequence is ever wasted. Blocks are reference-counted: forked samples (n > 1) sh
 blocks and copy a shared partial block on first write, and with prefix caching every full block is
 registered under a hash of its tokens and everything before them, so later requests that start the
 same way reuse it. Blocks nobody references stay cached until the pool needs them, least recently
-used first.
+used first. With a second tier (`kv_offload`), a cached block the pool evicts is kept in host memory and
+copied back when a later prompt's prefix reaches it, instead of being prefilled again.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
+from inference_engine.kv_offload import BlockCopy, OffloadTier
 from inference_engine.sequence import Sequence
 
 BlockKey = tuple[int, tuple[int, ...]]  # (hash of the previous block's key, this block's tokens)
@@ -20,8 +22,15 @@ BlockKey = tuple[int, tuple[int, ...]]  # (hash of the previous block's key, thi
 
 class BlockManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_cpu_blocks: int = 0
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        num_cpu_blocks: int = 0,
+        num_offload_blocks: int = 0,
     ) -> None:
+        """`num_cpu_blocks`: swap space for preempted sequences; `num_offload_blocks`: slots of the prefix
+        cache's second tier (0: none)."""
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -35,6 +44,8 @@ class BlockManager:
         # Swap space: CPU blocks that hold the KV of preempted sequences until they resume.
         self.num_cpu_blocks = num_cpu_blocks
         self.free_cpu = list(range(num_cpu_blocks))
+        self.tier = OffloadTier(num_offload_blocks) if num_offload_blocks and enable_prefix_caching else None
+        self.num_offload_queries = 0  # prompt tokens looked up in the tier (past the device's hits)
 
     @property
     def num_free_blocks(self) -> int:
@@ -72,27 +83,57 @@ class BlockManager:
     def match_prefix(self, seq: Sequence) -> int:
         """Points a new sequence at cached blocks for its leading full blocks; returns tokens reused.
 
-        The last token is always recomputed (its logits are needed), so its block is never matched.
+        Blocks the device pool evicted but the second tier holds get fresh device blocks, restored from the
+        tier with the step's copies (`take_offload_copies`), as long as free blocks last. The last token is
+        always recomputed (its logits are needed), so its block is never matched.
         """
         if not self.enable_prefix_caching or seq.block_table:
             return 0
         self.num_cache_queries += len(seq.token_ids)
+        chain: list[tuple[BlockKey, int | None]] = []  # (key, device block; None where the tier holds it)
         parent = _root(seq)
         for start in range(0, len(seq.token_ids) - self.block_size, self.block_size):
             key = (parent, tuple(seq.token_ids[start : start + self.block_size]))
             block = self.cached.get(key)
-            if block is None:
+            if block is None and (self.tier is None or key not in self.tier):
                 break
-            if self.ref_counts[block] == 0:
-                del self.free[block]
-            self.ref_counts[block] += 1
-            seq.block_table.append(block)
+            chain.append((key, block))
             parent = hash(key)
-            seq.block_hashes.append(parent)
+        # Device hits are referenced first, so that the blocks taken for tier hits cannot evict them.
+        spare = len(self.free) - sum(1 for _, b in chain if b is not None and self.ref_counts[b] == 0)
+        for i, (_, block) in enumerate(chain):
+            if block is None:
+                spare -= 1
+                if spare < 0:
+                    del chain[i:]
+                    break
+        for key, block in chain:
+            if block is None:
+                self.tier.pin(key)
+            elif self.ref_counts[block] == 0:
+                del self.free[block]
+            if block is not None:
+                self.ref_counts[block] += 1
+        hits = 0
+        for key, block in chain:
+            if block is None:
+                block = self._take()
+                self.tier.restore(key, block)
+                self.block_keys[block], self.cached[key] = key, block
+            else:
+                hits += self.block_size
+            seq.block_table.append(block)
+            seq.block_hashes.append(hash(key))
         reused = len(seq.block_table) * self.block_size
+        if self.tier is not None:
+            self.num_offload_queries += len(seq.token_ids) - hits
         seq.num_computed_tokens = seq.num_cached_tokens = reused
-        self.num_cache_hits += reused
+        self.num_cache_hits += hits
         return reused
+
+    def take_offload_copies(self) -> tuple[list[BlockCopy], list[BlockCopy]]:
+        """The second tier's pending (stores, restores) for the runner to perform before the next forward."""
+        return self.tier.take_copies() if self.tier is not None else ([], [])
 
     def register_full_blocks(self, seq: Sequence) -> None:
         """Publishes blocks whose every slot now holds computed K/V, so later requests can reuse them."""
@@ -165,6 +206,8 @@ class BlockManager:
             return False
         self.cached.clear()
         self.block_keys = [None] * self.num_blocks
+        if self.tier is not None:
+            self.tier.clear()
         return True
 
     def free_cpu_blocks(self, seq: Sequence) -> None:
@@ -177,6 +220,8 @@ class BlockManager:
         if key is not None:
             del self.cached[key]
             self.block_keys[block] = None
+            if self.tier is not None:
+                self.tier.store(key, block)
         self.ref_counts[block] = 1
         return block
 

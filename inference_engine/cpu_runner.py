@@ -95,6 +95,7 @@ class CPURunner(ModelRunner):
         """The burst's `sched.num_steps` decode steps of every scheduled sequence in one native call (each
         sequence's newest token, then the slots reserved for the later steps); each sequence's tokens, the
         ones `execute` and the sampler would give step by step. `sampling`: `Sampler.burst_parameters`."""
+        self.copy_tier_blocks(sched.kv_store, sched.kv_restore)
         step = self.inputs.prepare(sched)
         steps = sched.num_steps
         first = step.meta.query_start_loc[:-1].long()

@@ -50,6 +50,9 @@ class CUDARunner(ModelRunner):
     def _on_swapped_out(self) -> None:
         torch.cuda.current_stream(self.device).synchronize()
 
+    def _on_tier_copied(self) -> None:
+        torch.cuda.current_stream(self.device).synchronize()
+
     def _forward(self, step: PreparedStep) -> torch.Tensor:
         # Graphs were captured without adapters: a step with any LoRA adapter runs eagerly.
         lora_step = self.lora is not None and self.lora.batch.slots is not None

@@ -71,6 +71,7 @@ class LLMEngine:
             self.max_model_len,
             self.tokenizer.eos_token_ids,
             self.runner.burst_rows,
+            self.runner.num_offload_blocks,
         )
         # Embeddings: every engine pools (its prompts share the batch with generation); a pooling runner's
         # engine does nothing else.
@@ -534,6 +535,7 @@ class LLMEngine:
             "generation_tokens_total": self.generation_tokens_total,
             "prefix_cache_query_tokens": self.block_manager.num_cache_queries,
             "prefix_cache_hit_tokens": self.block_manager.num_cache_hits,
+            **self._offload_stats(),
             "step_seconds_total": self.step_seconds_total,
             **({"moe_seconds_total": moe} if (moe := self._moe_seconds()) is not None else {}),
             **(self.proposer.stats() if self.proposer is not None else {}),
@@ -544,6 +546,23 @@ class LLMEngine:
         s = self.scheduler
         waiting = [*s.waiting, *s.swapped, *self._lora_waiting]
         return lora_stats(s.running, waiting, self.runner.lora.max_loras)
+
+    def _offload_stats(self) -> dict:
+        """The prefix cache's second tier (kv_offload), where there is one: prompt tokens looked up in it and
+        found there, blocks stored and restored, and the seconds their copies took."""
+        tier = self.block_manager.tier
+        if tier is None:
+            return {}
+        return {
+            "kv_offload_blocks": tier.num_slots,
+            "kv_offload_used_blocks": len(tier),
+            "kv_offload_query_tokens": self.block_manager.num_offload_queries,
+            "kv_offload_hit_tokens": tier.num_restored_blocks * self.block_manager.block_size,
+            "kv_offload_stored_blocks": tier.num_stored_blocks,
+            "kv_offload_restored_blocks": tier.num_restored_blocks,
+            "kv_offload_store_seconds": self.runner.offload_store_seconds,
+            "kv_offload_restore_seconds": self.runner.offload_restore_seconds,
+        }
 
     def _maybe_log_stats(self) -> None:
         interval = self.config.log_stats_interval

@@ -9,6 +9,7 @@ swap space on CUDA: cuda_runner.py) sits in the hooks those runners override; `r
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -17,6 +18,7 @@ import torch
 from inference_engine import distributed
 from inference_engine.attention import get_backend
 from inference_engine.config import EngineConfig
+from inference_engine.kv_offload import BlockCopy, restore_blocks, store_blocks
 from inference_engine.lora.slots import LoRAManager
 from inference_engine.model_loader import LoadedModel
 from inference_engine.models import MODEL_CLASSES
@@ -82,6 +84,8 @@ class StepPlan:
     step: PreparedStep
     prompt_rows: list[int]
     pool_spans: list[tuple[int, int]] = field(default_factory=list)  # hidden rows pooling sequences read
+    kv_store: list[BlockCopy] = field(default_factory=list)  # the prefix cache's second tier (kv_offload)
+    kv_restore: list[BlockCopy] = field(default_factory=list)
 
     def for_other_ranks(self) -> StepPlan:
         """A copy to broadcast: tensors cut out of the persistent buffers (a view would pickle the
@@ -175,6 +179,15 @@ class ModelRunner:
             dtype=self.dtype,
             pin_memory=self.pin_swap_space and self.num_cpu_blocks > 0,
         )
+        # The prefix cache's second tier (kv_offload): host memory for blocks the device pool evicts.
+        tier_bytes = int(config.kv_offload_gib * 2**30) if config.enable_prefix_caching else 0
+        self.num_offload_blocks = tier_bytes // self.kv_bytes_per_block
+        self.offload_kv_cache = torch.zeros(
+            (self.num_offload_blocks, *self.cpu_kv_cache.shape[1:]),
+            dtype=self.dtype,
+            pin_memory=self.pin_swap_space and self.num_offload_blocks > 0,
+        )
+        self.offload_store_seconds = self.offload_restore_seconds = 0.0  # for stats
 
     def _build_model(self, loaded: LoadedModel) -> torch.nn.Module:
         model_cls = MODEL_CLASSES[loaded.config.architecture]
@@ -220,6 +233,10 @@ class ModelRunner:
     def _on_swapped_out(self) -> None:
         """After a step that swapped blocks out issued its copies: later swap-ins read those host blocks."""
 
+    def _on_tier_copied(self) -> None:
+        """After the second tier's copies of a step were issued: where they run asynchronously, wait for them
+        (their time is reported)."""
+
     def _forward(self, step: PreparedStep) -> torch.Tensor:
         """The hidden states of every row of the step."""
         return self.model(step.input_ids, step.positions, step.meta)
@@ -261,6 +278,7 @@ class ModelRunner:
         prompt_rows, prompt_targets = self._prompt_rows(sched, step)
         plan = StepPlan(sched.swap_out, sched.swap_in, sched.block_copies, step, prompt_rows)
         plan.pool_spans = [rows for _, _, rows in pooling]
+        plan.kv_store, plan.kv_restore = sched.kv_store, sched.kv_restore
         if self.workers is not None:
             self.workers.send(plan.for_other_ranks())
         if self.lora is not None:  # each row's adapter slot, for the linear layers
@@ -292,6 +310,7 @@ class ModelRunner:
         # Swap-outs first: their device blocks may be handed to other sequences in this very step.
         for device_block, cpu_block in plan.swap_out:
             self.cpu_kv_cache[cpu_block].copy_(self.kv_cache[:, :, device_block], non_blocking=True)
+        self.copy_tier_blocks(plan.kv_store, plan.kv_restore)
         for cpu_block, device_block in plan.swap_in:
             self.kv_cache[:, :, device_block].copy_(self.cpu_kv_cache[cpu_block], non_blocking=True)
         if plan.swap_out:
@@ -311,6 +330,19 @@ class ModelRunner:
         prompt_logits = self.model.compute_logits(hidden[plan.prompt_rows]) if plan.prompt_rows else None
         pooled = pool_rows(hidden, plan.pool_spans) if plan.pool_spans else None
         return logits, prompt_logits, pooled
+
+    def copy_tier_blocks(self, stores: list[BlockCopy], restores: list[BlockCopy]) -> None:
+        """The second tier's copies of a step (`kv_offload`): blocks the device pool evicts into their slots
+        first (a block may be reused by this very step), then slots back into the blocks restored."""
+        for copies, copy, counter in (
+            (stores, store_blocks, "offload_store_seconds"),
+            (restores, restore_blocks, "offload_restore_seconds"),
+        ):
+            if copies:
+                start = time.perf_counter()
+                copy(self.kv_cache, self.offload_kv_cache, copies)
+                self._on_tier_copied()
+                setattr(self, counter, getattr(self, counter) + time.perf_counter() - start)
 
     def _prompt_rows(self, sched: SchedulerOutput, step: PreparedStep):
         """Rows whose logits score the next prompt token, for requests that asked for prompt logprobs:

@@ -50,6 +50,10 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write, before the step
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, cpu block), done first
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block)
+    # The prefix cache's second tier (kv_offload): evicted blocks to keep, (device block, slot), then blocks
+    # to bring back, (slot, device block); both after the swap-outs and before the swap-ins
+    kv_store: list[tuple[int, int]] = field(default_factory=list)
+    kv_restore: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -65,9 +69,11 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: Collection[int],
         burst_rows: int = 0,
+        num_offload_blocks: int = 0,
     ) -> None:
-        """`num_blocks`, `num_cpu_blocks`: the KV blocks the runner allocated (device, swap space);
-        `burst_rows`: sequences the runner's burst takes at once (0: no bursts)."""
+        """`num_blocks`, `num_cpu_blocks`, `num_offload_blocks`: the KV blocks the runner allocated (device,
+        swap space, the prefix cache's second tier); `burst_rows`: sequences the runner's burst takes at once
+        (0: no bursts)."""
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -75,7 +81,7 @@ class Scheduler:
         self.num_scheduler_steps = config.num_scheduler_steps
         self.burst_rows = burst_rows
         self.block_manager = BlockManager(
-            num_blocks, config.block_size, config.enable_prefix_caching, num_cpu_blocks
+            num_blocks, config.block_size, config.enable_prefix_caching, num_cpu_blocks, num_offload_blocks
         )
         # Admission keeps ~1% of blocks free so newly admitted sequences don't force preemptions at once.
         self.watermark = max(1, num_blocks // 100)
@@ -182,6 +188,8 @@ class Scheduler:
             out.seqs.append(seq)
             out.num_new_tokens.append(n)
             budget -= n
+        if out.seqs:  # else they wait for the next step that runs: nothing writes the cache before it
+            out.kv_store, out.kv_restore = self.block_manager.take_offload_copies()
         now = time.time()
         for seq in out.seqs:
             metrics = seq.group.metrics
