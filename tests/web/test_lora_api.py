@@ -308,3 +308,34 @@ def test_runtime_lora_updating_is_off_by_default():
         with override_settings(LLMSERVE=on):
             status, body = asyncio.run(post(path))
         assert status == 401 and "needs an API key" in body["error"]["message"]
+
+
+def test_lora_requests_info_sums_the_replicas_heartbeats():
+    """vLLM's gauge per model: the adapters with running / waiting requests on any replica, `max_lora`, the
+    newest heartbeat's time; requests per adapter summed; nothing for a model without adapters."""
+    from inference_engine.bus.protocol import ModelInfo, ReplicaInfo
+    from llmserve.metrics import render
+
+    def replica(name: str, model: str, when: float, stats: dict) -> ReplicaInfo:
+        return ReplicaInfo(name, model, {"time": when, "stats": stats})
+
+    served = ModelInfo(
+        "m",
+        [
+            replica("r1", "m", 5.0, {"lora_running": {"a": 2}, "lora_waiting": {"b": 1}, "max_lora": 4}),
+            replica("r2", "m", 7.0, {"lora_running": {"a": 1, "c": 1}, "lora_waiting": {}, "max_lora": 4}),
+        ],
+    )
+    plain = ModelInfo("plain", [replica("r3", "plain", 6.0, {"num_running": 0})])
+    families = {f.name: f for f in text_string_to_metric_families(render([served, plain]).decode())}
+    (info,) = families["vllm:lora_requests_info"].samples
+    assert info.value == 7.0
+    assert info.labels == {
+        "model_name": "m",
+        "running_lora_adapters": "a,c",
+        "waiting_lora_adapters": "b",
+        "max_lora": "4",
+    }
+    running = {s.labels["lora_name"]: s.value for s in families["llmserve_lora_num_requests_running"].samples}
+    waiting = {s.labels["lora_name"]: s.value for s in families["llmserve_lora_num_requests_waiting"].samples}
+    assert running == {"a": 3, "c": 1} and waiting == {"b": 1}
