@@ -152,7 +152,8 @@ def plot(result: dict, path: Path) -> None:
     for key, label in (("_quiet_times", "chat alone"), ("_chat_times", "chat under the embedding load")):
         times = result[key]
         ax.plot(times[1:], np.diff(times) * 1000, ".", markersize=3, label=label)
-    ax.axvspan(*result["_load_span"], color="C1", alpha=0.12, label=f"{result['texts']} texts, batches of 64")
+    load = f"{result['texts']} texts, batches of {result['batch']}"
+    ax.axvspan(*result["_load_span"], color="C1", alpha=0.12, label=load)
     alone, busy = result["chat_tpot_ms_alone"]["mean"], result["chat_tpot_ms_during_load"]["mean"]
     ax.set_title(f"chat TPOT {alone} ms alone, {busy} ms during the load")
     ax.set_xlabel("seconds from the load's start (the chat alone: from its first token)")
@@ -173,6 +174,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=("bfloat16", "float32"))
     parser.add_argument("--chat-tokens", type=int, default=3500, help="the loaded chat's length at most")
     parser.add_argument("--quiet-tokens", type=int, default=256, help="the chat alone's length")
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, help="the engine's token budget per step (its default if unset)"
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
     from tests.web.stack import Stack, engine_flags
@@ -181,6 +185,8 @@ def main() -> None:
     flags[flags.index("--dtype") + 1] = args.dtype
     flags[flags.index("--max-model-len") + 1] = "4096"  # room for a chat that outlasts the load
     flags[flags.index("--kv-cache-memory-bytes") + 1] = str(1 << 30)  # the chat and a whole batch
+    if args.max_num_batched_tokens:
+        flags += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     stack = Stack(engine_flags=flags).start()
     try:
         result = measure(
@@ -194,11 +200,18 @@ def main() -> None:
         )
     finally:
         stack.stop()
-    result.update(threads=args.threads, dtype=args.dtype, max_words=args.max_words)
+    result.update(
+        threads=args.threads,
+        dtype=args.dtype,
+        max_words=args.max_words,
+        max_num_batched_tokens=args.max_num_batched_tokens or "default",
+    )
     args.out.mkdir(parents=True, exist_ok=True)
-    plot(result, args.out / "embeddings_under_chat.png")
+    budget = args.max_num_batched_tokens
+    name = "embeddings_under_chat" + (f"-{budget}" if budget else "")
+    plot(result, args.out / f"{name}.png")
     shown = {k: v for k, v in result.items() if not k.startswith("_")}
-    (args.out / "embeddings_under_chat.json").write_text(json.dumps(result, indent=2))
+    (args.out / f"{name}.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(shown, indent=2))
     if shown["below_0.9999"]:
         raise SystemExit(f"{shown['below_0.9999']} vectors differ from the ones computed alone")
