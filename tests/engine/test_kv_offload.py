@@ -235,3 +235,18 @@ def test_cuda_engine_restores_from_pinned_memory():
     tokens = [out.outputs[0].token_ids for out in llm.generate(prompts * 2, greedy(8), use_tqdm=False)]
     assert tokens == reference and llm.engine.stats()["kv_offload_restored_blocks"] > 0
     assert_all_blocks_free(llm)
+
+
+def test_metrics_show_the_tier_under_vllm_names():
+    """/metrics sums the tier's counters over a model's replicas' heartbeats, under vLLM's names for an
+    external prefix cache (and ours)."""
+    pytest.importorskip("prometheus_client")
+    from inference_engine.bus.protocol import ModelInfo, ReplicaInfo
+    from llmserve.metrics import render
+
+    stats = {"kv_offload_query_tokens": 96, "kv_offload_hit_tokens": 64, "kv_offload_restore_seconds": 0.25}
+    replicas = [ReplicaInfo(f"r{i}", "m", {"stats": stats}) for i in range(2)]
+    text = render([ModelInfo("m", replicas)]).decode()
+    assert 'vllm:external_prefix_cache_queries_total{model_name="m"} 192.0' in text
+    assert 'vllm:external_prefix_cache_hits_total{model_name="m"} 128.0' in text
+    assert 'llmserve_kv_offload_restore_seconds_total{model_name="m"} 0.5' in text
