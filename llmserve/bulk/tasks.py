@@ -22,6 +22,10 @@ from django.db import InterfaceError, OperationalError
 from llmserve.bulk import services
 from llmserve.bulk.runner import JobRunner
 
+# Queueing the next slice waits out a broker outage (Redis restarting: the launcher starts it again at once,
+# then after growing delays) rather than failing, which would leave the job without a task.
+NEXT_SLICE_RETRY = {"max_retries": 150, "interval_start": 0, "interval_step": 0.5, "interval_max": 2.0}
+
 
 @shared_task(
     bind=True,
@@ -35,7 +39,7 @@ from llmserve.bulk.runner import JobRunner
 def run_bulk_job(self: Any, job_id: int) -> None:
     """Run one slice of a job; queue the next slice while work remains."""
     if JobRunner(job_id, self.request.id).run():
-        run_bulk_job.delay(job_id)
+        run_bulk_job.apply_async((job_id,), retry=True, retry_policy=NEXT_SLICE_RETRY)
 
 
 @shared_task(ignore_result=True)
