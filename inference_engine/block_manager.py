@@ -110,25 +110,25 @@ class BlockManager:
         for key, block in chain:
             if block is None:
                 self.tier.pin(key)
-            elif self.ref_counts[block] == 0:
+                continue
+            if self.ref_counts[block] == 0:
                 del self.free[block]
-            if block is not None:
-                self.ref_counts[block] += 1
-        hits = 0
+            self.ref_counts[block] += 1
+        device_hits = 0
         for key, block in chain:
             if block is None:
                 block = self._take()
                 self.tier.restore(key, block)
                 self.block_keys[block], self.cached[key] = key, block
             else:
-                hits += self.block_size
+                device_hits += self.block_size
             seq.block_table.append(block)
             seq.block_hashes.append(hash(key))
         reused = len(seq.block_table) * self.block_size
         if self.tier is not None:
-            self.num_offload_queries += len(seq.token_ids) - hits
+            self.num_offload_queries += len(seq.token_ids) - device_hits
         seq.num_computed_tokens = seq.num_cached_tokens = reused
-        self.num_cache_hits += hits
+        self.num_cache_hits += device_hits
         return reused
 
     def take_offload_copies(self) -> tuple[list[BlockCopy], list[BlockCopy]]:
