@@ -223,17 +223,18 @@ def test_restored_prefixes_give_transformers_tokens(served):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_engine_restores_from_pinned_memory():
-    """On a GPU: the tier is pinned host memory and its copies run on the device's stream."""
-    prompts = ["A long and winding prompt about paged attention. " * 4, "Another prompt, about caches. " * 6]
+    """On a GPU, the `served` workload: the tier is pinned host memory, its copies run on the device's stream,
+    and the tokens are those of an engine without it."""
     kwargs = {"dtype": "float32", "device": "cuda", "max_num_seqs": 1}
-    kwargs["kv_cache_memory_bytes"] = 8 * BLOCK_BYTES
+    kwargs["kv_cache_memory_bytes"] = 12 * BLOCK_BYTES
     plain = LLM(**kwargs)
-    reference = [out.outputs[0].token_ids for out in plain.generate(prompts * 2, greedy(8), use_tqdm=False)]
+    prompts = [{"prompt_token_ids": plain.get_tokenizer().encode(p)} for p in LONG_PROMPTS] * 2
+    reference = [out.outputs[0].token_ids for out in plain.generate(prompts, greedy(8), use_tqdm=False)]
     del plain
-    llm = LLM(kv_offload_gib=32 * BLOCK_BYTES / 2**30, **kwargs)
+    llm = LLM(kv_offload_gib=64 * BLOCK_BYTES / 2**30, **kwargs)
     assert llm.engine.runner.offload_kv_cache.is_pinned()
-    tokens = [out.outputs[0].token_ids for out in llm.generate(prompts * 2, greedy(8), use_tqdm=False)]
-    assert tokens == reference and llm.engine.stats()["kv_offload_restored_blocks"] > 0
+    tokens = [out.outputs[0].token_ids for out in llm.generate(prompts, greedy(8), use_tqdm=False)]
+    assert tokens == reference and llm.engine.stats()["kv_offload_restored_blocks"] >= 3
     assert_all_blocks_free(llm)
 
 
