@@ -30,16 +30,9 @@ if TYPE_CHECKING:
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 
-# sentence-transformers' Pooling modes, as its `pooling_mode` names them (from version 6) and as the flags of
-# older versions' configs (`pooling_mode_<flag>: true`) do; None: a mode we do not run.
-_ST_MODES = {
-    "lasttoken": "LAST",
-    "mean": "MEAN",
-    "cls": "CLS",
-    "max": None,
-    "mean_sqrt_len_tokens": None,
-    "weightedmean": None,
-}
+# sentence-transformers' Pooling modes we run, as its `pooling_mode` names them (from version 6), and the
+# flags of older versions' configs (`pooling_mode_<flag>: true`) by the mode each selects.
+_ST_MODES = {"lasttoken": "LAST", "mean": "MEAN", "cls": "CLS"}
 _ST_FLAGS = {
     "pooling_mode_lasttoken": "lasttoken",
     "pooling_mode_mean_tokens": "mean",
