@@ -465,9 +465,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     django.setup()  # tests.database and the stack read the settings
     from tests.faults.stack import LauncherStack
 
-    stack = LauncherStack(web_workers=2).start()
+    stack = LauncherStack(web_workers=2)
     rows: list[dict[str, Any]] = []
     try:
+        stack.start()
         wait_spare(stack)
         for name, pattern, with_job in FAULTS:
             try:

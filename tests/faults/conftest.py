@@ -19,9 +19,9 @@ from .stack import LauncherStack  # noqa: E402
 
 @pytest.fixture(scope="package")
 def launched(request: pytest.FixtureRequest) -> Iterator[LauncherStack]:
-    stack = LauncherStack().start()
+    stack = LauncherStack()
     failed_before = request.session.testsfailed
     try:
-        yield stack
+        yield stack.start()  # inside: a start that fails after the launcher is up still stops it
     finally:
         stack.stop(keep_logs=request.session.testsfailed > failed_before)
