@@ -100,6 +100,7 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=96)
     parser.add_argument("--requests", type=int, default=32, help="requests in the mixed workload")
     parser.add_argument("--skip-workload", action="store_true", help="batch 1 and the floor only")
+    parser.add_argument("--skip-llamacpp", action="store_true", help="our engine and the floor only")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -115,6 +116,8 @@ def main() -> None:
     load_seconds = time.perf_counter() - started
     llm.generate(["warm up"], SamplingParams(max_tokens=4), use_tqdm=False)
     try:
+        if args.skip_llamacpp:
+            raise LlamaCppUnavailable("--skip-llamacpp")
         binary, skipped = build_server(), None
     except LlamaCppUnavailable as exc:
         binary, skipped = None, str(exc)
