@@ -58,6 +58,11 @@ class LLMEngine:
         model_len = loaded.config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or model_len, model_len)
         check_tensor_parallel(loaded.config, config.tensor_parallel_size)
+        if config.runner == "generate" and not loaded.config.has_lm_head:
+            raise InvalidRequestError(
+                f"{loaded.name} is a base model without a language-model head (the body"
+                f" of {loaded.config.architecture}): it embeds but cannot generate; use runner 'pooling'."
+            )
         self.workers = TPWorkers(config) if config.tensor_parallel_size > 1 else None
         try:
             self.runner = make_runner(config, loaded, self.workers)

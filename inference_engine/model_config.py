@@ -26,6 +26,9 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
     tie_word_embeddings: bool = False
+    # False for a decoder's base model saved without its head and with untied embeddings (a
+    # sentence-transformers folder): its hidden states are right, logits from the tied embedding would not be.
+    has_lm_head: bool = True
     attention_bias: bool = False
     eos_token_ids: list[int] = field(default_factory=list)
     hidden_act: str = "silu"

@@ -134,7 +134,8 @@ def model_config(raw: dict, eos_token_ids: list[int]) -> ModelConfig:
     if layer_types is not None and "sliding_attention" not in layer_types:
         window = 0
     moe = _moe_fields(arch, raw) if arch in _MOE_ARCHITECTURES else {}
-    tied = raw.get("tie_word_embeddings", False) or arch not in (raw.get("architectures") or [])
+    headless = arch not in (raw.get("architectures") or [])  # a base model (`base_model`): no head
+    tied = raw.get("tie_word_embeddings", False) or headless
     return (MoEModelConfig if moe else ModelConfig)(
         **moe,
         architecture=arch,
@@ -151,6 +152,7 @@ def model_config(raw: dict, eos_token_ids: list[int]) -> ModelConfig:
         rope_scaling=scaling,
         # A base model (`base_model`) has no head: its embedding stands in (a pooling runner reads no logits).
         tie_word_embeddings=tied,
+        has_lm_head=not headless or raw.get("tie_word_embeddings", False),
         attention_bias=raw.get("attention_bias", raw.get("qkv_bias", cls.attention_bias)),
         eos_token_ids=eos_token_ids,
         hidden_act=raw.get("hidden_activation") or raw.get("hidden_act") or "silu",
