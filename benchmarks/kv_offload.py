@@ -1,7 +1,7 @@
 """The prefix cache's second tier (--kv-offload-gib) against recompute, in one run: prefixes that overflow the
 KV pool come back.
 
-    .venv/bin/python -m benchmarks.kv_offload [--prefixes 8] [--prefix-tokens 1024] [--device-blocks 160]
+    .venv/bin/python -m benchmarks.kv_offload [--prefixes 6] [--prefix-tokens 768] [--device-blocks 120]
 
 `--prefixes` distinct documents of `--prefix-tokens` tokens each, on the bundled model, with a KV pool of
 `--device-blocks` blocks (about two documents): each document is asked one question (the first pass), then,
@@ -98,12 +98,13 @@ def run(mode: str, args: argparse.Namespace, block_bytes: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prefixes", type=int, default=8)
-    parser.add_argument("--prefix-tokens", type=int, default=1024)
-    parser.add_argument("--device-blocks", type=int, default=160, help="KV pool size (a block: 16 tokens)")
+    parser.add_argument("--prefixes", type=int, default=6)
+    parser.add_argument("--prefix-tokens", type=int, default=768)
+    parser.add_argument("--device-blocks", type=int, default=120, help="KV pool size (a block: 16 tokens)")
     parser.add_argument("--tier-gib", type=float, default=1.0)
     parser.add_argument("--max-tokens", type=int, default=8)
-    parser.add_argument("--threads", type=int, default=2)
+    # One thread: on shared cores a thread pool's copies and prefills stall whenever one of its threads waits.
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
