@@ -18,8 +18,8 @@ from inference_engine import LLM, SamplingParams
 from .conftest import PROMPTS, assert_all_blocks_free
 
 BUDGET = 256  # tokens a step: a long prompt is prefilled in chunks beside the short prompts' decode steps
-QUICK = dict(prompts=[PROMPTS[i] for i in (0, 3, 14)], tokens=10, long_prompts=1, long_tokens=400)
-FULL = dict(prompts=PROMPTS, tokens=32, long_prompts=2, long_tokens=1000)
+QUICK = dict(prompts=[PROMPTS[i] for i in (0, 3, 14)], tokens=10, long_prompts=1, long_words=300)
+FULL = dict(prompts=PROMPTS, tokens=32, long_prompts=2, long_words=750)
 
 
 @pytest.fixture(scope="module", params=["q4_1", "bf16"])
@@ -28,9 +28,8 @@ def llm(request) -> LLM:
     return LLM(dtype="bfloat16", seed=0, max_num_batched_tokens=BUDGET, log_stats_interval=0, **options)
 
 
-def _long_prompts(count: int, tokens: int) -> list[str]:
-    """`count` prompts of about `tokens` tokens each, unlike each other and the short ones."""
-    words = tokens * 3 // 4
+def _long_prompts(count: int, words: int) -> list[str]:
+    """`count` prompts of `words` words (about 4 tokens each), unlike each other and the short ones."""
     return [" ".join(f"item{(i * 7 + j) % 997}" for i in range(words)) for j in range(1, count + 1)]
 
 
@@ -39,7 +38,7 @@ def _tokens(llm: LLM, prompts: list[str], max_tokens: int) -> list[list[int]]:
     return [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
 
 
-def _check(llm: LLM, prompts: list[str], tokens: int, long_prompts: int, long_tokens: int) -> None:
+def _check(llm: LLM, prompts: list[str], tokens: int, long_prompts: int, long_words: int) -> None:
     alone = {}
     for prompt in prompts:
         assert llm.reset_prefix_cache()
@@ -62,7 +61,7 @@ def _check(llm: LLM, prompts: list[str], tokens: int, long_prompts: int, long_to
         compare("threads", list(pool.map(lambda p: _tokens(llm, [p], tokens)[0], prompts)))
 
     assert llm.reset_prefix_cache()
-    long = _long_prompts(long_prompts, long_tokens)
+    long = _long_prompts(long_prompts, long_words)
     assert all(len(ids) > BUDGET for ids in map(llm.get_tokenizer().encode, long))
     compare("behind chunked long prompts", _tokens(llm, long + prompts, tokens)[len(long) :])
     assert_all_blocks_free(llm)
