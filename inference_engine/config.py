@@ -50,8 +50,9 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None  # explicit KV budget; the default on CPU is 1 GiB
     swap_space: float = 0.0  # GiB of CPU memory for swapped-out KV blocks; 0 = preempt by recompute
     # GiB of host memory for the prefix cache's second tier: full blocks the KV pool evicts, copied back when
-    # a prompt reaches them again instead of prefilled (inference_engine/kv_offload.py); 0 = none
-    kv_offload_gib: float = 0.0
+    # a prompt reaches them again instead of prefilled (inference_engine/kv_offload.py); 0 = none. None: 4 GiB
+    # of pinned memory per rank on CUDA, none on the CPU (whose KV pool already lives in the same RAM).
+    kv_offload_gib: float | None = None
     enable_prefix_caching: bool = True
     seed: int = 0
     enforce_eager: bool = False  # CUDA: run every step eagerly instead of replaying captured CUDA graphs
@@ -107,7 +108,7 @@ class EngineConfig:
             raise InvalidRequestError("num_scheduler_steps must be in [1, 64].")
         if self.swap_space < 0:
             raise InvalidRequestError("swap_space must be non-negative.")
-        if self.kv_offload_gib < 0:
+        if self.kv_offload_gib is not None and self.kv_offload_gib < 0:
             raise InvalidRequestError("kv_offload_gib must be non-negative.")
         if self.tool_call_parser not in PARSERS:
             raise InvalidRequestError(

@@ -28,6 +28,16 @@ import torch
 # (source, destination): (device block, slot) to store, (slot, device block) to restore
 BlockCopy = tuple[int, int]
 
+CUDA_DEFAULT_GIB = 4.0  # per rank, where the config sets no size
+
+
+def tier_gib(configured: float | None, device: torch.device) -> float:
+    """The tier's size: as configured, else on by default where it pays: on CUDA, where the device pool is
+    small and scarce; not on the CPU, whose pool already lives in the same RAM (a larger pool is the same)."""
+    if configured is not None:
+        return configured
+    return CUDA_DEFAULT_GIB if device.type == "cuda" else 0.0
+
 
 class OffloadTier:
     def __init__(self, num_slots: int) -> None:

@@ -18,7 +18,7 @@ import torch
 from inference_engine import distributed
 from inference_engine.attention import get_backend
 from inference_engine.config import EngineConfig
-from inference_engine.kv_offload import BlockCopy, restore_blocks, store_blocks
+from inference_engine.kv_offload import BlockCopy, restore_blocks, store_blocks, tier_gib
 from inference_engine.lora.slots import LoRAManager
 from inference_engine.model_loader import LoadedModel
 from inference_engine.models import MODEL_CLASSES
@@ -180,7 +180,8 @@ class ModelRunner:
             pin_memory=self.pin_swap_space and self.num_cpu_blocks > 0,
         )
         # The prefix cache's second tier (kv_offload): host memory for blocks the device pool evicts.
-        tier_bytes = int(config.kv_offload_gib * 2**30) if config.enable_prefix_caching else 0
+        gib = tier_gib(config.kv_offload_gib, self.device)
+        tier_bytes = int(gib * 2**30) if config.enable_prefix_caching else 0
         self.num_offload_blocks = tier_bytes // self.kv_bytes_per_block
         self.offload_kv_cache = torch.zeros(
             (self.num_offload_blocks, *self.cpu_kv_cache.shape[1:]),

@@ -18,7 +18,7 @@ from inference_engine import LLM
 from inference_engine.block_manager import BlockManager
 from inference_engine.config import EngineConfig
 from inference_engine.errors import InvalidRequestError
-from inference_engine.kv_offload import OffloadTier, restore_blocks, store_blocks
+from inference_engine.kv_offload import CUDA_DEFAULT_GIB, OffloadTier, restore_blocks, store_blocks, tier_gib
 
 from .conftest import assert_all_blocks_free, greedy
 from .quant_checkpoints import dense_model
@@ -150,6 +150,13 @@ def test_negative_tier_size_is_refused():
         EngineConfig(kv_offload_gib=-1)
 
 
+def test_the_tier_is_on_by_default_on_cuda_only():
+    assert EngineConfig().kv_offload_gib is None
+    assert tier_gib(None, torch.device("cuda")) == CUDA_DEFAULT_GIB > 0
+    assert tier_gib(None, torch.device("cpu")) == 0
+    assert tier_gib(0.0, torch.device("cuda")) == 0 and tier_gib(2.5, torch.device("cpu")) == 2.5
+
+
 # Distinct prompts of 3-4 full blocks (48-64 tokens): no two share a block.
 LONG_PROMPTS = [
     "The history of paged attention begins with virtual memory: operating systems split memory into pages "
@@ -227,7 +234,7 @@ def test_cuda_engine_restores_from_pinned_memory():
     and the tokens are those of an engine without it."""
     kwargs = {"dtype": "float32", "device": "cuda", "max_num_seqs": 1}
     kwargs["kv_cache_memory_bytes"] = 12 * BLOCK_BYTES
-    plain = LLM(**kwargs)
+    plain = LLM(kv_offload_gib=0, **kwargs)
     prompts = [{"prompt_token_ids": plain.get_tokenizer().encode(p)} for p in LONG_PROMPTS] * 2
     reference = [out.outputs[0].token_ids for out in plain.generate(prompts, greedy(8), use_tqdm=False)]
     del plain
