@@ -75,7 +75,16 @@ def steps(out: Path, model_dir: Path) -> list[Step]:
         ),
         Step(
             "engine_vs_transformers_cuda",
-            [python, "-m", "pytest", "-q", "tests/engine/test_cuda_engine.py", "-p", "no:cacheprovider"],
+            [
+                python,
+                "-m",
+                "pytest",
+                "-q",
+                "tests/engine/test_cuda_engine.py",
+                "tests/engine/test_kv_offload.py::test_cuda_engine_restores_from_pinned_memory",
+                "-p",
+                "no:cacheprovider",
+            ],
             0.20,
             no_interpreter,
         ),
