@@ -99,6 +99,14 @@ class Stack:
         return done.stdout
 
     def start(self) -> Stack:
+        """Starts every part; a start that fails midway stops what it started (no fixture would)."""
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> Stack:
         self.database = TestDatabase.create(self.workdir)
         self.redis = RedisServer().start()
         (self.workdir / "prometheus").mkdir()
@@ -164,4 +172,5 @@ class Stack:
             self.redis.stop()
         if self.database is not None:
             self.database.drop()
+        self.daphne = self.engine = self.redis = self.database = None  # a second stop does nothing
         shutil.rmtree(self.workdir, ignore_errors=True)
