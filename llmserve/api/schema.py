@@ -259,7 +259,7 @@ class SamplingFields(RequestModel):
 
     def sampling_values(self) -> dict[str, Any]:
         """The given `SamplingParams` fields; ``max_tokens`` always (None = the rest of the context)."""
-        names = set(SamplingFields.model_fields) - _NOT_SAMPLING - _CONSTRAINTS
+        names = set(SamplingFields.model_fields) - _NOT_SAMPLING - CONSTRAINT_FIELDS
         values = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
         if "logit_bias" in values:
             values["logit_bias"] = {int(k): float(v) for k, v in values["logit_bias"].items()}
@@ -281,7 +281,7 @@ _NOT_SAMPLING = {
     "prompt_cache_key",
     "safety_identifier",
 }
-_CONSTRAINTS = {
+CONSTRAINT_FIELDS = {  # the fields that may name an output constraint
     "response_format",
     "structured_outputs",
     "guided_json",

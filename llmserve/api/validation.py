@@ -26,21 +26,14 @@ from typing import Any, TypeVar
 
 from llmserve import conf
 from llmserve.api.errors import BadRequest, TooManyRequests
+from llmserve.api.schema import CONSTRAINT_FIELDS
 
 T = TypeVar("T")
 
 WINDOW = 60.0  # seconds of the per-key time budget
 
 # Body fields that may name a constraint: chat / completions (OpenAI's and vLLM's), Responses' ``text``.
-_CONSTRAINT_FIELDS = (
-    "response_format",
-    "structured_outputs",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "text",
-)
+_CONSTRAINT_FIELDS = (*CONSTRAINT_FIELDS, "text")
 _FREE_CHOICES = (None, "auto", "none")
 
 
