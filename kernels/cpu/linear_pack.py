@@ -40,12 +40,17 @@ SAME_BITS_ROWS = 20
 
 
 def batch_invariant() -> bool:
-    """Whether every row of a linear layer gets the bits it gets alone, whatever rows share its step (the
-    default; LLMSERVE_BATCH_INVARIANT=0 turns it off): the native kernels then serve every row count, each
-    through one routine (AMX from the first row where the CPU has it), and never hand a step to oneDNN or to
-    a dequantized copy, whose sums round otherwise. A greedy request then gives the same tokens alone, in any
-    batch, and with its prefix from the prefix cache."""
-    return os.environ.get("LLMSERVE_BATCH_INVARIANT", "1") != "0"
+    """Whether every row of a linear layer gets the bits it gets alone, whatever rows share its step: the
+    native kernels then serve every row count, each through one routine (AMX from the first row), and never
+    hand a step to oneDNN or to a dequantized copy, whose sums round otherwise. A greedy request then gives
+    the same tokens alone, in any batch, and with its prefix from the prefix cache.
+
+    The default where the CPU has AMX tiles, which take a prompt's many rows through that one routine at a
+    small cost. Without them (AVX2, AVX-512 without AMX) the routine that gives one row its bits runs a
+    prompt's rows several times slower than a dequantized matmul, so there it is off by default.
+    LLMSERVE_BATCH_INVARIANT=1 or 0 decides either way."""
+    setting = os.environ.get("LLMSERVE_BATCH_INVARIANT")
+    return native_amx() if setting is None else setting != "0"
 
 
 @cache

@@ -215,8 +215,9 @@ def test_amx_takes_every_step_with_batch_invariance(monkeypatch):
 @needs_bf16
 @needs_vnni
 @pytest.mark.parametrize("shape", [*MODEL_SHAPES, LM_HEAD], ids=str)
-def test_with_batch_invariance_the_native_kernels_serve_every_row_count(gen, shape):
+def test_with_batch_invariance_the_native_kernels_serve_every_row_count(gen, shape, monkeypatch):
     """Whatever oneDNN or a dequantized copy would time at: their sums round otherwise."""
+    monkeypatch.setenv("LLMSERVE_BATCH_INVARIANT", "1")  # the default only where the CPU has AMX
     for weight in (rand(gen, *shape), int4_weight(*shape, 32, gen)):
         packed = cpu_linear.pack(weight, BF16)
         assert packed.small_rows == linear_tuning.ALL and packed.small is packed.large
