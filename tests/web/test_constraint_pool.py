@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 
 import pytest
 from django.test import AsyncClient, override_settings
@@ -138,8 +139,12 @@ def test_the_api_checks_constraints_on_the_pool_and_answers_its_budgets(monkeypa
     assert threads[0].startswith("llmserve-grammar"), threads
     assert not threads[1].startswith("llmserve-grammar"), threads  # no constraint: checked inline
 
-    monkeypatch.setattr(schema, "parse", real_parse)
-    with override_settings(LLMSERVE={**OPEN, "GRAMMAR_TIMEOUT": 1e-6}):
+    def slow_parse(*args, **kwargs):  # a check that outlasts its budget
+        time.sleep(0.5)
+        return real_parse(*args, **kwargs)
+
+    monkeypatch.setattr(schema, "parse", slow_parse)
+    with override_settings(LLMSERVE={**OPEN, "GRAMMAR_TIMEOUT": 0.05}):
         status, body = _post({**CHAT, "guided_json": SCHEMA})
     assert status == 400, body
     assert body["error"]["code"] == "constraint_too_complex", body
