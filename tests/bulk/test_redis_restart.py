@@ -14,7 +14,7 @@ from llmserve.bulk.models import BulkItem, BulkJob
 from .conftest import PARAMS, TEMPLATE, BulkStack, wait_until
 from .test_jobs import documents, wait_finished
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]  # ~20 s; test_celery_redis holds the crash fix
 
 AWAY = 7.0  # seconds Redis stays down: longer than a slice
 

@@ -87,7 +87,9 @@ def _json_requests(llm: LLM, sampled: bool) -> list[tuple[dict, str, str]]:
     return [(s, o.outputs[0].text, o.outputs[0].finish_reason) for s, o in zip(SCHEMAS, outputs, strict=True)]
 
 
-@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+@pytest.mark.parametrize(
+    "sampled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["greedy", "sampled"]
+)
 def test_fifty_json_schemas_hold(llm, sampled) -> None:
     assert len({json.dumps(s, sort_keys=True) for s in SCHEMAS}) == 50
     for schema, text, reason in _json_requests(llm, sampled):
