@@ -81,9 +81,9 @@ def test_the_working_directory_is_removed_on_stop_and_after_a_kill():
         wrapper.kill()
         wrapper.wait()
     children = [p for p in Path("/proc").iterdir() if p.name.isdigit()]
-    for proc in children:  # its redis-server outlives it: end it (we started it)
-        try:
-            if f"llmserve-redis-{wrapper.pid}-" in (proc / "cmdline").read_bytes().decode(errors="replace"):
+    for proc in children:  # its redis-server outlives it: end it (we started it). Redis rewrites its
+        try:  # command line to "redis-server host:port"; its working directory is the wrapper's folder.
+            if os.readlink(proc / "cwd").startswith(str(left)):
                 os.kill(int(proc.name), signal.SIGKILL)
         except OSError:
             pass
