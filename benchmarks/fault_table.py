@@ -305,7 +305,9 @@ async def sigkill(stack: Any, name: str, pattern: str, with_job: bool) -> dict[s
     if "celery" in pattern:
         victim = pids[0]  # the worker's main process, not a pool child
     elif "server" in pattern:
-        victim = max(pids, key=lambda pid: connections(pid, stack.port))  # the web worker with most streams
+        from tests.faults.stack import established
+
+        victim = max(pids, key=lambda pid: established(pid, stack.port))  # the web worker with most streams
     else:
         victim = pids[-1]
     starts = service_starts(stack)
@@ -366,22 +368,6 @@ async def sigterm_launcher(stack: Any) -> dict[str, Any]:
     }
     print(json.dumps(row), flush=True)
     return row
-
-
-def connections(pid: int, port: int) -> int:
-    """Established client connections to `port` that process `pid` holds."""
-    inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        target = os.readlink(fd) if fd.is_symlink() else ""
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    count = 0
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            local_port, state, inode = int(fields[1].rsplit(":", 1)[1], 16), fields[3], fields[9]
-            count += local_port == port and state == "01" and inode in inodes
-    return count
 
 
 def service_starts(stack: Any) -> dict[str, int]:

@@ -39,6 +39,22 @@ ENGINE_FLAGS = [
 SHUTDOWN_GRACE = 10  # seconds a SIGTERMed web worker lets its answers finish (30 by default)
 
 
+def established(pid: int, port: int) -> int:
+    """How many client connections to `port` process `pid` holds."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        target = os.readlink(fd) if fd.is_symlink() else ""
+        if match := re.fullmatch(r"socket:\[(\d+)\]", target):
+            inodes.add(match.group(1))
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            local_port, state, inode = int(fields[1].rsplit(":", 1)[1], 16), fields[3], fields[9]
+            count += local_port == port and state == "01" and inode in inodes
+    return count
+
+
 class LauncherStack:
     def __init__(self, web_workers: int = 2) -> None:
         self.web_workers = web_workers

@@ -6,38 +6,20 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import signal
 import time
-from pathlib import Path
 
 import pytest
 
 from inference_engine.bus.client import EngineClient
 
 from .load import chat
-from .stack import MODEL, LauncherStack
+from .stack import MODEL, LauncherStack, established
 
 pytestmark = pytest.mark.timeout(300)
 
 LONG = {"max_tokens": 460, "temperature": 0, "ignore_eos": True}  # the stack's context is 512 tokens
 FREED_WITHIN = 10.0
-
-
-def _established(pid: int, port: int) -> int:
-    """How many client connections to `port` process `pid` holds."""
-    inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        target = os.readlink(fd) if fd.is_symlink() else ""
-        if match := re.fullmatch(r"socket:\[(\d+)\]", target):
-            inodes.add(match.group(1))
-    count = 0
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            local_port, state, inode = int(fields[1].rsplit(":", 1)[1], 16), fields[3], fields[9]
-            count += local_port == port and state == "01" and inode in inodes
-    return count
 
 
 def _inflight(client: EngineClient) -> tuple[int, float]:
@@ -62,7 +44,7 @@ def test_killing_a_web_worker_frees_its_requests_in_the_engine(launched: Launche
             assert time.monotonic() < deadline, "the streams did not all start within 120 s"
             await asyncio.sleep(0.05)
         workers = launched.pids(r"hostproject\.server")
-        load = {pid: _established(pid, launched.port) for pid in workers}
+        load = {pid: established(pid, launched.port) for pid in workers}
         victim = max(load, key=load.get)  # the worker with the most streams
         os.kill(victim, signal.SIGKILL)
         killed = time.monotonic()
